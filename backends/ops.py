@@ -1,0 +1,284 @@
+"""The op interface: every accelerator op the engine calls, with its contract.
+
+Each function here states shapes, dtypes, layouts and in-place effects, and dispatches to the active
+backend's implementation (``deepinfer.backends.registry.active_ops()``). Backends implement functions
+with the same names and parameters (the registry checks the signatures); the reference backend
+(``deepinfer.backends.reference``) is the numerical oracle the conformance suite compares against.
+
+Notation: ``T`` tokens in the step (packed, variable-length), ``B`` requests, ``H`` query heads,
+``L`` = kv_lora_rank (latent width), ``R`` = qk_rope_head_dim, ``Dn`` = qk_nope_head_dim,
+``Dv`` = v_head_dim, ``E`` experts, ``k`` experts per token, ``V`` vocabulary size.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+from torch import Tensor
+
+from deepinfer.backends.cache_spec import KVCacheSpec
+from deepinfer.backends.registry import active_ops
+
+ScoringFunc = Literal["sigmoid", "softmax"]
+TopkMethod = Literal["noaux_tc", "greedy", "group_limited_greedy"]
+
+
+@dataclass(slots=True)
+class EPDispatch:
+    """What ``ep_dispatch`` delivers to this rank, and what ``ep_combine`` needs to send it back.
+
+    ``hidden`` [N, D], ``local_expert_ids`` [N] int32 (index among this rank's experts) and ``weights``
+    [N] float32 are the (token, expert) pairs routed to this rank; ``handle`` is backend-private state
+    (split sizes, original order) that only the same backend's ``ep_combine`` reads.
+    """
+
+    hidden: Tensor
+    local_expert_ids: Tensor
+    weights: Tensor
+    handle: Any
+
+
+# ----------------------------------------------------------------------------------------- small ops
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """RMSNorm over the last dimension: ``x / sqrt(mean(x^2) + eps) * weight``.
+
+    x: [..., D] (fp32/bf16/fp16); weight: [D]. Statistics are computed in float32. Returns a new
+    tensor of x's shape and dtype.
+    """
+    return active_ops().rms_norm(x, weight, eps)
+
+
+def add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    """Fused residual add + RMSNorm: ``s = x + residual``; returns ``(rms_norm(s), s)``.
+
+    x, residual: [T, D] same dtype; weight: [D]. The sum is formed in x's dtype (as an unfused
+    ``x + residual`` would be). Returns two new tensors (inputs are not modified).
+    """
+    return active_ops().add_rms_norm(x, residual, weight, eps)
+
+
+def rope(
+    q: Tensor, k: Tensor, positions: Tensor, cos_sin_cache: Tensor, interleaved: bool
+) -> tuple[Tensor, Tensor]:
+    """Rotary position embedding of the rope part of MLA queries and the shared rope key.
+
+    q: [T, H, R]; k: [T, R]; positions: [T] int64; cos_sin_cache: [P, R] float32 whose row ``p`` is
+    ``cat(cos(p * f), sin(p * f))`` for the R/2 frequencies ``f`` (any YaRN scaling and attention
+    factor already folded in). ``interleaved=True`` pairs dims ``(2i, 2i+1)`` (DeepSeek's layout);
+    ``False`` pairs ``(i, i + R/2)`` (rotate-half). Each pair is rotated by its frequency and written
+    back to the same two dims. Returns new tensors ``(q_rot, k_rot)`` with the input dtypes.
+    """
+    return active_ops().rope(q, k, positions, cos_sin_cache, interleaved)
+
+
+def silu_and_mul(x: Tensor) -> Tensor:
+    """SwiGLU activation: x: [..., 2I] holding ``[gate | up]``; returns ``silu(gate) * up``: [..., I]."""
+    return active_ops().silu_and_mul(x)
+
+
+# ----------------------------------------------------------------------------------------- KV cache
+
+
+def kv_cache_spec(kv_lora_rank: int, qk_rope_head_dim: int, dtype: torch.dtype) -> KVCacheSpec:
+    """The backend's paged cache layout for one MLA layer holding, per token, the normalised latent
+    (``kv_lora_rank`` wide) and the rotated rope key (``qk_rope_head_dim`` wide)."""
+    return active_ops().kv_cache_spec(kv_lora_rank, qk_rope_head_dim, dtype)
+
+
+def kv_cache_write(kv_c: Tensor, k_pe: Tensor, kv_cache: Sequence[Tensor], slot_mapping: Tensor) -> None:
+    """Scatter new latent and rope rows into the paged cache, in place.
+
+    kv_c: [T, L]; k_pe: [T, R] (already rotated); kv_cache: this layer's tensors as allocated from
+    ``kv_cache_spec``; slot_mapping: [T] int64, ``slot = block_id * block_size + offset``. Tokens with a
+    negative slot (padding) are skipped. Values are cast to the cache dtype.
+    """
+    active_ops().kv_cache_write(kv_c, k_pe, kv_cache, slot_mapping)
+
+
+def kv_cache_gather(
+    kv_cache: Sequence[Tensor], slot_mapping: Tensor, kv_lora_rank: int
+) -> tuple[Tensor, Tensor]:
+    """Read latent and rope rows back from the paged cache.
+
+    slot_mapping: [N] int64 of valid slots; kv_lora_rank: L. Returns ``(kv_c [N, L], k_pe [N, R])`` in
+    the cache dtype, in slot_mapping order. Used by expanded (prefill) attention over cached context.
+    """
+    return active_ops().kv_cache_gather(kv_cache, slot_mapping, kv_lora_rank)
+
+
+# ----------------------------------------------------------------------------------------- attention
+
+
+def mla_prefill(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    cu_seqlens_q: Tensor,
+    cu_seqlens_k: Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    scale: float,
+    sliding_window: int | None = None,
+) -> Tensor:
+    """Variable-length causal attention in expanded MLA form (prefill and chunked prefill).
+
+    q: [Tq, H, Dn + R]; k: [Tk, H, Dn + R]; v: [Tk, H, Dv] (Dv may differ from the q/k width);
+    cu_seqlens_q / cu_seqlens_k: [B+1] int32 prefix sums of per-request query / key lengths. Each
+    request's queries are the LAST ``len_q`` of its ``len_k`` keys (``len_k >= len_q``; the rest is
+    cached context), so query ``i`` sits at position ``p = len_k - len_q + i`` and attends keys
+    ``j <= p`` (bottom-right-aligned causal mask), and with ``sliding_window = W`` only keys
+    ``j > p - W``. Softmax in float32 with ``scale`` applied to q·k (callers must pass it; there is no
+    default). Returns a new tensor [Tq, H, Dv] in q's dtype.
+    """
+    return active_ops().mla_prefill(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, sliding_window
+    )
+
+
+def mla_decode(
+    q_nope: Tensor,
+    q_pe: Tensor,
+    kv_cache: Sequence[Tensor],
+    block_table: Tensor,
+    seq_lens: Tensor,
+    query_start_loc: Tensor,
+    max_query_len: int,
+    scale: float,
+    sliding_window: int | None = None,
+) -> Tensor:
+    """Absorbed MLA attention over the paged latent cache (decode and speculative verification).
+
+    Multi-query attention with one shared KV "head": the key of cached token ``j`` is
+    ``cat(latent_j, rope_j)`` (L + R wide) and its value is ``latent_j`` (L wide).
+    q_nope: [T, H, L] (the nope query already multiplied by W_UK); q_pe: [T, H, R] (rotated);
+    kv_cache: this layer's tensors, already holding the new tokens' rows; block_table: [B, M] int32
+    physical block ids per request; seq_lens: [B] int32 total tokens per request INCLUDING its new
+    query tokens; query_start_loc: [B+1] int32 prefix sums of query tokens per request (1 for plain
+    decode, 1 + drafts for verification); max_query_len: the largest per-request query count.
+    Query ``i`` of request ``b`` (``n_b`` queries) sits at position ``p = seq_lens[b] - n_b + i`` and
+    attends cached positions ``j <= p`` (and ``j > p - W`` with ``sliding_window = W``). Softmax in
+    float32 with ``scale``. Returns a new tensor [T, H, L] in q_nope's dtype (multiply by W_UV next).
+    """
+    return active_ops().mla_decode(
+        q_nope, q_pe, kv_cache, block_table, seq_lens, query_start_loc, max_query_len, scale, sliding_window
+    )
+
+
+# ----------------------------------------------------------------------------------------- MoE
+
+
+def moe_route(
+    router_logits: Tensor,
+    correction_bias: Tensor | None,
+    top_k: int,
+    n_group: int,
+    topk_group: int,
+    scoring_func: ScoringFunc,
+    topk_method: TopkMethod,
+    renormalize: bool,
+    routed_scaling_factor: float,
+) -> tuple[Tensor, Tensor]:
+    """DeepSeek expert routing.
+
+    router_logits: [T, E] float32. ``scores = sigmoid(logits)`` or ``softmax(logits)``.
+    - ``noaux_tc`` (V3): selection uses ``scores + correction_bias`` ([E] float32); groups (E / n_group
+      experts each) are ranked by the sum of their two best biased scores, the best ``topk_group``
+      groups are kept, and the top ``top_k`` experts among them are chosen. The returned weights are
+      the UNBIASED scores of the chosen experts.
+    - ``greedy`` (V2): top ``top_k`` of the scores.
+    - ``group_limited_greedy`` (V2): groups ranked by their best score, ``topk_group`` kept, then top-k.
+    If ``renormalize``, weights are divided by their sum (+1e-20); then all are multiplied by
+    ``routed_scaling_factor``. Returns ``(weights [T, k] float32, expert_ids [T, k] int32)``; the order
+    of the k entries is unspecified (consumers must not depend on it).
+    """
+    return active_ops().moe_route(
+        router_logits,
+        correction_bias,
+        top_k,
+        n_group,
+        topk_group,
+        scoring_func,
+        topk_method,
+        renormalize,
+        routed_scaling_factor,
+    )
+
+
+def grouped_gemm(x: Tensor, weight: Tensor, group_sizes: Tensor) -> Tensor:
+    """Per-expert matrix multiply over rows grouped by expert.
+
+    x: [N, K] with rows sorted so that the first ``group_sizes[0]`` rows belong to expert 0, the next
+    ``group_sizes[1]`` to expert 1, and so on; weight: [E, Nout, K] (nn.Linear layout per expert);
+    group_sizes: [E] int64 summing to N. Returns [N, Nout] in x's dtype: ``out[r] = weight[e(r)] @ x[r]``.
+    """
+    return active_ops().grouped_gemm(x, weight, group_sizes)
+
+
+def fused_moe(hidden: Tensor, w13: Tensor, w2: Tensor, topk_weights: Tensor, topk_ids: Tensor) -> Tensor:
+    """Routed-expert MLP with weighted combine.
+
+    hidden: [T, D]; w13: [E, 2I, D] (gate rows then up rows, as transformers' ``gate_up_proj``);
+    w2: [E, D, I]; topk_weights: [T, k] float32; topk_ids: [T, k] int32/int64, ids in ``[0, E)``; a
+    negative id (an expert owned by another rank) contributes nothing. Returns [T, D] in hidden's dtype:
+    ``out[t] = sum_j w[t, j] * (w2[e] @ silu_and_mul(w13[e] @ hidden[t]))`` with ``e = topk_ids[t, j]``,
+    accumulated in float32.
+    """
+    return active_ops().fused_moe(hidden, w13, w2, topk_weights, topk_ids)
+
+
+def ep_dispatch(
+    hidden: Tensor,
+    topk_ids: Tensor,
+    topk_weights: Tensor,
+    num_experts: int,
+    group: Any | None,
+) -> EPDispatch:
+    """Expert-parallel all-to-all dispatch over ``group`` (a torch.distributed process group).
+
+    Experts are placed contiguously: rank ``r`` of ``W`` owns experts ``[r * E/W, (r+1) * E/W)``.
+    hidden: [T, D]; topk_ids: [T, k] global expert ids; topk_weights: [T, k] float32. Every (token, j)
+    pair is sent to the rank owning its expert. With ``group`` None or a world size of 1 nothing is
+    communicated. Collective: every rank of the group must call it.
+    """
+    return active_ops().ep_dispatch(hidden, topk_ids, topk_weights, num_experts, group)
+
+
+def ep_combine(expert_out: Tensor, dispatch: EPDispatch, group: Any | None) -> Tensor:
+    """Inverse of ``ep_dispatch``: expert_out [N, D] holds this rank's expert outputs for the pairs it
+    received (same order as ``dispatch.hidden``); they are sent back and combined per token as
+    ``sum_j weight[t, j] * out[t, j]`` (float32 accumulation). Returns [T, D] in expert_out's dtype.
+    Collective."""
+    return active_ops().ep_combine(expert_out, dispatch, group)
+
+
+# ----------------------------------------------------------------------------------------- sampling
+
+
+def sample(
+    logits: Tensor,
+    temperature: Tensor,
+    top_k: Tensor,
+    top_p: Tensor,
+    min_p: Tensor,
+    seeds: Tensor,
+    offsets: Tensor,
+) -> Tensor:
+    """Sample one token per row, deterministically from (seed, offset).
+
+    logits: [B, V] float32 (penalties and constraints already applied); temperature: [B] float32
+    (0 = greedy argmax, ignoring the filters); top_k: [B] int32 (0 = off); top_p: [B] float32 (1 =
+    off); min_p: [B] float32 (0 = off); seeds: [B] int64; offsets: [B] int64 (index of the token being
+    sampled within its request). With ``probs = softmax(logits / temperature)`` a token is allowed when
+    it is among the top_k most probable, within the top_p nucleus of the top-k renormalised
+    distribution (the smallest prefix, in descending probability with ties broken by lower id, whose
+    mass reaches top_p), and has ``p >= min_p * max(p)``. Among allowed tokens the result is
+    ``argmax(log p + g)`` with Gumbel noise ``g = -log(-log(u))`` and ``u = counter_uniform(seed,
+    offset, token)`` (``deepinfer.backends.reference.sampling.counter_uniform`` defines the generator
+    bit-exactly, so every backend draws the same tokens). Returns [B] int64.
+    """
+    return active_ops().sample(logits, temperature, top_k, top_p, min_p, seeds, offsets)

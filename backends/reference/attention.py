@@ -1,0 +1,104 @@
+"""Reference MLA attention: expanded varlen prefill and absorbed paged decode."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from deepinfer.backends.reference import OPS
+
+
+def _allowed(query_pos: Tensor, key_pos: Tensor, kv_len: Tensor | int, window: int | None) -> Tensor:
+    """Mask [..., Q, S]: key position s is visible from query position p (causal, window, length)."""
+    mask = (key_pos[..., None, :] <= query_pos[..., :, None]) & (key_pos[..., None, :] < kv_len)
+    if window is not None:
+        mask &= key_pos[..., None, :] > (query_pos[..., :, None] - window)
+    return mask
+
+
+@OPS.implement
+def mla_prefill(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    cu_seqlens_q: Tensor,
+    cu_seqlens_k: Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    scale: float,
+    sliding_window: int | None = None,
+) -> Tensor:
+    out = q.new_empty(q.shape[0], q.shape[1], v.shape[-1])
+    starts_q = cu_seqlens_q.tolist()
+    starts_k = cu_seqlens_k.tolist()
+    for b in range(len(starts_q) - 1):
+        q0, q1, k0, k1 = starts_q[b], starts_q[b + 1], starts_k[b], starts_k[b + 1]
+        len_q, len_k = q1 - q0, k1 - k0
+        if len_q == 0:
+            continue
+        qb = q[q0:q1].transpose(0, 1).float()
+        kb = k[k0:k1].transpose(0, 1).float()
+        vb = v[k0:k1].transpose(0, 1).float()
+        if len_q == len_k and sliding_window is None:
+            ob = F.scaled_dot_product_attention(qb, kb, vb, is_causal=True, scale=scale)
+        else:
+            query_pos = torch.arange(len_k - len_q, len_k, device=q.device)
+            mask = _allowed(query_pos, torch.arange(len_k, device=q.device), len_k, sliding_window)
+            ob = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask, scale=scale)
+        out[q0:q1] = ob.transpose(0, 1).to(out.dtype)
+    return out
+
+
+@OPS.implement
+def mla_decode(
+    q_nope: Tensor,
+    q_pe: Tensor,
+    kv_cache: Sequence[Tensor],
+    block_table: Tensor,
+    seq_lens: Tensor,
+    query_start_loc: Tensor,
+    max_query_len: int,
+    scale: float,
+    sliding_window: int | None = None,
+) -> Tensor:
+    (cache,) = kv_cache
+    block_size, width = cache.shape[1], cache.shape[2]
+    latent = q_nope.shape[-1]
+    num_tokens, heads = q_nope.shape[0], q_nope.shape[1]
+    num_reqs = seq_lens.shape[0]
+    device = q_nope.device
+    seq_lens = seq_lens.long()
+
+    # Gather every request's cached rows into a padded [B, S, L + R] batch.
+    span = int(seq_lens.max())
+    key_pos = torch.arange(span, device=device)
+    blocks = block_table.long()[:, key_pos // block_size]
+    valid_key = key_pos[None, :] < seq_lens[:, None]
+    slots = torch.where(valid_key, blocks * block_size + key_pos % block_size, 0)
+    keys = cache.view(-1, width)[slots].float()
+    keys.masked_fill_(~valid_key[:, :, None], 0.0)  # padding rows may hold garbage (even NaN)
+
+    # Place queries in a padded [B, Qmax, H, L + R] batch.
+    query_lens = (query_start_loc[1:] - query_start_loc[:-1]).long()
+    queries = torch.cat((q_nope, q_pe), dim=-1).float()
+    if max_query_len == 1 and num_tokens == num_reqs:
+        padded = queries[:, None]
+        req_of_token = token_slot = None
+    else:
+        req_of_token = torch.repeat_interleave(torch.arange(num_reqs, device=device), query_lens)
+        token_slot = torch.arange(num_tokens, device=device) - query_start_loc.long()[req_of_token]
+        padded = queries.new_zeros(num_reqs, max_query_len, heads, width)
+        padded[req_of_token, token_slot] = queries
+    query_pos = (seq_lens - query_lens)[:, None] + torch.arange(max_query_len, device=device)[None, :]
+
+    scores = torch.einsum("bqhd,bsd->bqhs", padded, keys) * scale
+    mask = _allowed(query_pos, key_pos, seq_lens[:, None, None], sliding_window)
+    scores = scores.masked_fill(~mask[:, :, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1).nan_to_num_(0.0)
+    out = torch.einsum("bqhs,bsd->bqhd", probs, keys[..., :latent])
+    if req_of_token is None:
+        return out[:, 0].to(q_nope.dtype)
+    return out[req_of_token, token_slot].to(q_nope.dtype)

@@ -1,0 +1,371 @@
+"""One check per interface op: run the backend under test and the float32 CPU reference on the same
+seeded inputs and compare. Each check raises AssertionError with the op, the case and the error.
+
+Checks take the op table explicitly, so they also run against deliberately broken tables (the tests
+prove the suite catches wrong kernels).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from deepinfer.backends.registry import OpTable
+from deepinfer.backends.testing.harness import (
+    MLAShape,
+    MoEShape,
+    assert_close,
+    generator,
+    poison_device_memory,
+    randn,
+    reference_ops,
+)
+
+
+def _on(x: Tensor, device: torch.device, dtype: torch.dtype | None = None) -> Tensor:
+    return x.to(device=device, dtype=dtype) if dtype is not None else x.to(device)
+
+
+def _rounded(x: Tensor, dtype: torch.dtype) -> Tensor:
+    """What the reference sees: the case-dtype values, widened back to float32."""
+    return x.to(dtype).float()
+
+
+def check_rms_norm(ops: OpTable, device: torch.device, dtype: torch.dtype, hidden: int, case: str) -> None:
+    gen = generator(case)
+    x, w = randn(gen, 7, hidden), 1 + randn(gen, hidden, scale=0.1)
+    res = randn(gen, 7, hidden)
+    ref = reference_ops()
+    poison_device_memory(device)
+    out = ops.rms_norm(_on(x, device, dtype), _on(w, device, dtype), 1e-6)
+    assert_close(f"rms_norm[{case}]", out, ref.rms_norm(_rounded(x, dtype), _rounded(w, dtype), 1e-6), dtype)
+    normed, summed = ops.add_rms_norm(
+        _on(x, device, dtype), _on(res, device, dtype), _on(w, device, dtype), 1e-6
+    )
+    ref_normed, ref_summed = ref.add_rms_norm(
+        _rounded(x, dtype), _rounded(res, dtype), _rounded(w, dtype), 1e-6
+    )
+    assert_close(f"add_rms_norm.sum[{case}]", summed, ref_summed, dtype)
+    assert_close(f"add_rms_norm.norm[{case}]", normed, ref_normed, dtype)
+
+
+def check_silu_and_mul(ops: OpTable, device: torch.device, dtype: torch.dtype, width: int, case: str) -> None:
+    x = randn(generator(case), 9, 2 * width)
+    poison_device_memory(device)
+    out = ops.silu_and_mul(_on(x, device, dtype))
+    assert_close(f"silu_and_mul[{case}]", out, reference_ops().silu_and_mul(_rounded(x, dtype)), dtype)
+
+
+def cos_sin_table(rope_dim: int, max_pos: int, base: float = 10000.0) -> Tensor:
+    inv_freq = 1.0 / (base ** (torch.arange(0, rope_dim, 2, dtype=torch.float32) / rope_dim))
+    angles = torch.arange(max_pos, dtype=torch.float32)[:, None] * inv_freq[None, :]
+    return torch.cat((angles.cos(), angles.sin()), dim=-1)
+
+
+def check_rope(
+    ops: OpTable, device: torch.device, dtype: torch.dtype, shape: MLAShape, interleaved: bool, case: str
+) -> None:
+    gen = generator(case)
+    tokens, max_pos = 11, 4096
+    q, k = randn(gen, tokens, shape.heads, shape.rope), randn(gen, tokens, shape.rope)
+    positions = torch.randint(0, max_pos, (tokens,), generator=gen)
+    table = cos_sin_table(shape.rope, max_pos)
+    poison_device_memory(device)
+    q_out, k_out = ops.rope(
+        _on(q, device, dtype), _on(k, device, dtype), _on(positions, device), _on(table, device), interleaved
+    )
+    q_ref, k_ref = reference_ops().rope(_rounded(q, dtype), _rounded(k, dtype), positions, table, interleaved)
+    assert_close(f"rope.q[{case}]", q_out, q_ref, dtype)
+    assert_close(f"rope.k[{case}]", k_out, k_ref, dtype)
+
+
+class PagedBatch:
+    """Requests with random block tables over a poisoned cache, filled through ``ops.kv_cache_write``.
+
+    Blocks not owned by any request hold NaN, so a kernel that reads outside a request's blocks (or
+    past its length) produces NaN and fails the comparison.
+    """
+
+    def __init__(
+        self,
+        ops: OpTable,
+        device: torch.device,
+        dtype: torch.dtype,
+        shape: MLAShape,
+        seq_lens: list[int],
+        gen: torch.Generator,
+    ) -> None:
+        self.spec = ops.kv_cache_spec(shape.kv_lora_rank, shape.rope, dtype)
+        bs = self.spec.block_size
+        per_req = [math.ceil(n / bs) for n in seq_lens]
+        num_blocks = sum(per_req) + 3
+        self.cache = self.spec.allocate(num_blocks, device)
+        for t in self.cache:
+            t.fill_(float("nan"))
+        perm = torch.randperm(num_blocks, generator=gen).tolist()
+        width = max(per_req)
+        # Unused table entries point at a NaN block that belongs to nobody (3 spare blocks exist).
+        table = torch.full((len(seq_lens), width), perm[-1], dtype=torch.int32)
+        cursor, slots = 0, []
+        for b, (n, nb) in enumerate(zip(seq_lens, per_req)):
+            blocks = perm[cursor : cursor + nb]
+            cursor += nb
+            table[b, :nb] = torch.tensor(blocks, dtype=torch.int32)
+            slots += [blocks[p // bs] * bs + p % bs for p in range(n)]
+        self.block_table = table
+        self.slots = torch.tensor(slots, dtype=torch.int64)
+        total = len(slots)
+        self.latent = randn(gen, total, shape.kv_lora_rank)
+        self.rope = randn(gen, total, shape.rope)
+        ops.kv_cache_write(
+            _on(self.latent, device, dtype),
+            _on(self.rope, device, dtype),
+            self.cache,
+            _on(self.slots, device),
+        )
+
+
+def check_kv_cache(
+    ops: OpTable, device: torch.device, dtype: torch.dtype, shape: MLAShape, case: str
+) -> None:
+    gen = generator(case)
+    batch = PagedBatch(ops, device, dtype, shape, [5, 37, 1], gen)
+    # A padding token (slot -1) must be skipped, not written anywhere.
+    ops.kv_cache_write(
+        _on(randn(gen, 1, shape.kv_lora_rank), device, dtype),
+        _on(randn(gen, 1, shape.rope), device, dtype),
+        batch.cache,
+        torch.tensor([-1], dtype=torch.int64, device=device),
+    )
+    order = torch.randperm(batch.slots.numel(), generator=gen)
+    kv_c, k_pe = ops.kv_cache_gather(batch.cache, _on(batch.slots[order], device), shape.kv_lora_rank)
+    assert_close(f"kv_cache.latent[{case}]", kv_c, _rounded(batch.latent[order], dtype), dtype)
+    assert_close(f"kv_cache.rope[{case}]", k_pe, _rounded(batch.rope[order], dtype), dtype)
+
+
+def check_mla_prefill(
+    ops: OpTable, device: torch.device, dtype: torch.dtype, shape: MLAShape, window: int | None, case: str
+) -> None:
+    gen = generator(case)
+    q_lens, k_lens = [6, 3, 1, 17], [6, 11, 4, 17]
+    cu_q = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    cu_k = torch.tensor([0, *torch.tensor(k_lens).cumsum(0).tolist()], dtype=torch.int32)
+    width = shape.nope + shape.rope
+    q = randn(gen, sum(q_lens), shape.heads, width)
+    k = randn(gen, sum(k_lens), shape.heads, width)
+    v = randn(gen, sum(k_lens), shape.heads, shape.v)
+    scale = width**-0.5
+    poison_device_memory(device)
+    out = ops.mla_prefill(
+        _on(q, device, dtype),
+        _on(k, device, dtype),
+        _on(v, device, dtype),
+        _on(cu_q, device),
+        _on(cu_k, device),
+        max(q_lens),
+        max(k_lens),
+        scale,
+        window,
+    )
+    ref = reference_ops().mla_prefill(
+        _rounded(q, dtype),
+        _rounded(k, dtype),
+        _rounded(v, dtype),
+        cu_q,
+        cu_k,
+        max(q_lens),
+        max(k_lens),
+        scale,
+        window,
+    )
+    assert_close(f"mla_prefill[{case}]", out, ref, dtype)
+
+
+def _contiguous_reference_cache(
+    shape: MLAShape, dtype: torch.dtype, seq_lens: list[int], batch: PagedBatch
+) -> tuple[tuple[Tensor, ...], Tensor]:
+    """The same rows in a float32 reference-layout cache, each request in consecutive blocks."""
+    ref_ops = reference_ops()
+    spec = ref_ops.kv_cache_spec(shape.kv_lora_rank, shape.rope, torch.float32)
+    bs = spec.block_size
+    blocks_per_req = [math.ceil(n / bs) for n in seq_lens]
+    cache = spec.allocate(sum(blocks_per_req), "cpu")
+    table = torch.zeros(len(seq_lens), max(blocks_per_req), dtype=torch.int32)
+    first_block, first_row = 0, 0
+    for b, (n, nb) in enumerate(zip(seq_lens, blocks_per_req)):
+        table[b, :nb] = torch.arange(first_block, first_block + nb, dtype=torch.int32)
+        rows = slice(first_row, first_row + n)
+        slots = first_block * bs + torch.arange(n)
+        ref_ops.kv_cache_write(
+            _rounded(batch.latent[rows], dtype), _rounded(batch.rope[rows], dtype), cache, slots
+        )
+        first_block += nb
+        first_row += n
+    return cache, table
+
+
+def check_mla_decode(
+    ops: OpTable,
+    device: torch.device,
+    dtype: torch.dtype,
+    shape: MLAShape,
+    query_lens: list[int],
+    window: int | None,
+    case: str,
+    corrupt_block_table: bool = False,
+) -> None:
+    """``corrupt_block_table`` shifts one block-table entry of the backend's input (not the
+    reference's): a correct kernel then reads a wrong or NaN block and the check must fail."""
+    gen = generator(case)
+    seq_lens = [9, 70, 33, 130][: len(query_lens)]
+    ref_ops = reference_ops()
+    batch = PagedBatch(ops, device, dtype, shape, seq_lens, gen)
+    ref_cache, ref_table = _contiguous_reference_cache(shape, dtype, seq_lens, batch)
+    num_tokens = sum(query_lens)
+    q_nope = randn(gen, num_tokens, shape.heads, shape.kv_lora_rank, scale=0.1)
+    q_pe = randn(gen, num_tokens, shape.heads, shape.rope, scale=0.1)
+    qsl = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32)
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
+    scale = (shape.nope + shape.rope) ** -0.5
+    table = batch.block_table.clone()
+    if corrupt_block_table:
+        row = max(range(len(seq_lens)), key=lambda b: seq_lens[b])
+        table[row, 0] = table[row, 1]
+    poison_device_memory(device)
+    out = ops.mla_decode(
+        _on(q_nope, device, dtype),
+        _on(q_pe, device, dtype),
+        batch.cache,
+        _on(table, device),
+        _on(lens, device),
+        _on(qsl, device),
+        max(query_lens),
+        scale,
+        window,
+    )
+    ref = ref_ops.mla_decode(
+        _rounded(q_nope, dtype),
+        _rounded(q_pe, dtype),
+        ref_cache,
+        ref_table,
+        lens,
+        qsl,
+        max(query_lens),
+        scale,
+        window,
+    )
+    assert_close(f"mla_decode[{case}]", out, ref, dtype)
+
+
+def _sorted_routing(weights: Tensor, ids: Tensor) -> tuple[Tensor, Tensor]:
+    ids, order = ids.long().cpu().sort(dim=-1)
+    return weights.float().cpu().gather(1, order), ids
+
+
+def check_moe_route(
+    ops: OpTable,
+    device: torch.device,
+    shape: MoEShape,
+    scoring_func: str,
+    topk_method: str,
+    renormalize: bool,
+    case: str,
+) -> None:
+    gen = generator(case)
+    logits = randn(gen, 33, shape.experts)
+    bias = randn(gen, shape.experts, scale=0.1) if topk_method == "noaux_tc" else None
+    args = (shape.top_k, shape.n_group, shape.topk_group, scoring_func, topk_method, renormalize, 2.5)
+    weights, ids = ops.moe_route(_on(logits, device), None if bias is None else _on(bias, device), *args)
+    ref_w, ref_ids = reference_ops().moe_route(logits, bias, *args)
+    weights, ids = _sorted_routing(weights, ids)
+    ref_w, ref_ids = _sorted_routing(ref_w, ref_ids)
+    if not torch.equal(ids, ref_ids):
+        bad = int((ids != ref_ids).any(dim=-1).sum())
+        raise AssertionError(f"moe_route[{case}]: {bad} of {ids.shape[0]} tokens chose different experts")
+    assert_close(f"moe_route.weights[{case}]", weights, ref_w, torch.float32)
+
+
+def check_grouped_gemm(
+    ops: OpTable, device: torch.device, dtype: torch.dtype, shape: MoEShape, case: str
+) -> None:
+    gen = generator(case)
+    sizes = torch.randint(0, 5, (shape.experts,), generator=gen)
+    sizes[0] = 0
+    x = randn(gen, int(sizes.sum()), shape.hidden)
+    w = randn(gen, shape.experts, shape.intermediate, shape.hidden, scale=shape.hidden**-0.5)
+    poison_device_memory(device)
+    out = ops.grouped_gemm(_on(x, device, dtype), _on(w, device, dtype), _on(sizes, device))
+    ref = reference_ops().grouped_gemm(_rounded(x, dtype), _rounded(w, dtype), sizes)
+    assert_close(f"grouped_gemm[{case}]", out, ref, dtype)
+
+
+def random_routing(gen: torch.Generator, tokens: int, experts: int, top_k: int) -> tuple[Tensor, Tensor]:
+    """Distinct experts per token and positive weights."""
+    ids = torch.stack([torch.randperm(experts, generator=gen)[:top_k] for _ in range(tokens)])
+    weights = torch.rand(tokens, top_k, generator=gen) + 0.1
+    return weights, ids.to(torch.int32)
+
+
+def check_fused_moe(
+    ops: OpTable, device: torch.device, dtype: torch.dtype, shape: MoEShape, with_remote: bool, case: str
+) -> None:
+    """``with_remote`` marks some routed experts as owned by another rank (id -1)."""
+    gen = generator(case)
+    tokens = 13
+    hidden = randn(gen, tokens, shape.hidden)
+    w13 = randn(gen, shape.experts, 2 * shape.intermediate, shape.hidden, scale=shape.hidden**-0.5)
+    w2 = randn(gen, shape.experts, shape.hidden, shape.intermediate, scale=shape.intermediate**-0.5)
+    weights, ids = random_routing(gen, tokens, shape.experts, shape.top_k)
+    if with_remote:
+        ids[torch.rand(ids.shape, generator=gen) < 0.3] = -1
+    poison_device_memory(device)
+    out = ops.fused_moe(
+        _on(hidden, device, dtype),
+        _on(w13, device, dtype),
+        _on(w2, device, dtype),
+        _on(weights, device),
+        _on(ids, device),
+    )
+    ref = reference_ops().fused_moe(
+        _rounded(hidden, dtype), _rounded(w13, dtype), _rounded(w2, dtype), weights, ids
+    )
+    assert_close(f"fused_moe[{case}]", out, ref, dtype)
+
+
+def check_ep_single_rank(
+    ops: OpTable, device: torch.device, dtype: torch.dtype, shape: MoEShape, case: str
+) -> None:
+    """Dispatch then combine on one rank, with a known per-expert function in between."""
+    gen = generator(case)
+    tokens = 10
+    hidden = randn(gen, tokens, shape.hidden)
+    weights, ids = random_routing(gen, tokens, shape.experts, shape.top_k)
+    dispatched = ops.ep_dispatch(
+        _on(hidden, device, dtype), _on(ids, device), _on(weights, device), shape.experts, None
+    )
+    scale = dispatched.local_expert_ids.to(dtype) + 1
+    out = ops.ep_combine(dispatched.hidden * scale[:, None], dispatched, None)
+    expected = (weights * (ids.float() + 1)).sum(dim=-1, keepdim=True) * _rounded(hidden, dtype)
+    assert_close(f"ep_dispatch+combine[{case}]", out, expected, dtype)
+
+
+def check_sample(ops: OpTable, device: torch.device, case: str) -> None:
+    gen = generator(case)
+    rows, vocab = 16, 1000
+    logits = randn(gen, rows, vocab, scale=3.0)
+    temperature = torch.tensor([0.0, 1.0, 0.7, 1.3] * 4)
+    top_k = torch.tensor([0, 0, 50, 0, 1, 0, 20, 0] * 2, dtype=torch.int32)
+    top_p = torch.tensor([1.0, 0.9, 1.0, 0.5, 1.0, 1.0, 0.8, 0.95] * 2)
+    min_p = torch.tensor([0.0, 0.0, 0.0, 0.0, 0.0, 0.1, 0.0, 0.05] * 2)
+    seeds = torch.randint(-(2**62), 2**62, (rows,), generator=gen)
+    offsets = torch.randint(0, 4096, (rows,), generator=gen)
+    args = (temperature, top_k, top_p, min_p, seeds, offsets)
+    out = ops.sample(_on(logits, device), *(_on(a, device) for a in args))
+    ref = reference_ops().sample(logits, *args)
+    if out.dtype != torch.int64:
+        raise AssertionError(f"sample[{case}]: returned {out.dtype}, expected torch.int64")
+    mismatched = (out.cpu() != ref).nonzero().flatten().tolist()
+    if mismatched:
+        raise AssertionError(f"sample[{case}]: rows {mismatched} drew different tokens than the reference")

@@ -1,0 +1,121 @@
+"""Conformance of the active backend against the reference, op by op (see the package docstring)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from deepinfer.backends.testing import checks
+from deepinfer.backends.testing.harness import SMALL_MLA, SMALL_MOE, V3_MLA, Target, v3_moe
+
+MLA_SHAPES = [SMALL_MLA, V3_MLA]
+DTYPES = ["float32", "bfloat16", "float16"]
+
+
+def _dtype(target: Target, name: str) -> torch.dtype:
+    dtype = getattr(torch, name)
+    if dtype not in target.dtypes:
+        pytest.skip(f"{name} not in DEEPINFER_CONFORMANCE_DTYPES")
+    return dtype
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hidden", [64, 7168])
+def test_rms_norm(target: Target, dtype: str, hidden: int) -> None:
+    checks.check_rms_norm(
+        target.ops, target.device, _dtype(target, dtype), hidden, f"rms_norm-{hidden}-{dtype}"
+    )
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("width", [32, 2048])
+def test_silu_and_mul(target: Target, dtype: str, width: int) -> None:
+    checks.check_silu_and_mul(
+        target.ops, target.device, _dtype(target, dtype), width, f"silu-{width}-{dtype}"
+    )
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("interleaved", [True, False])
+@pytest.mark.parametrize("shape", MLA_SHAPES, ids=lambda s: s.name)
+def test_rope(target: Target, dtype: str, interleaved: bool, shape) -> None:
+    case = f"rope-{shape.name}-{interleaved}-{dtype}"
+    checks.check_rope(target.ops, target.device, _dtype(target, dtype), shape, interleaved, case)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", MLA_SHAPES, ids=lambda s: s.name)
+def test_kv_cache_write_gather(target: Target, dtype: str, shape) -> None:
+    checks.check_kv_cache(target.ops, target.device, _dtype(target, dtype), shape, f"kv-{shape.name}-{dtype}")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("window", [None, 4])
+@pytest.mark.parametrize("shape", MLA_SHAPES, ids=lambda s: s.name)
+def test_mla_prefill(target: Target, dtype: str, window, shape) -> None:
+    case = f"prefill-{shape.name}-{window}-{dtype}"
+    checks.check_mla_prefill(target.ops, target.device, _dtype(target, dtype), shape, window, case)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("window", [None, 24])
+@pytest.mark.parametrize("query_lens", [[1, 1, 1, 1], [1, 3, 2, 4]], ids=["decode", "multi-query"])
+@pytest.mark.parametrize("shape", MLA_SHAPES, ids=lambda s: s.name)
+def test_mla_decode(target: Target, dtype: str, window, query_lens, shape) -> None:
+    case = f"decode-{shape.name}-{query_lens}-{window}-{dtype}"
+    checks.check_mla_decode(target.ops, target.device, _dtype(target, dtype), shape, query_lens, window, case)
+
+
+ROUTING = [
+    ("sigmoid", "noaux_tc", True),
+    ("sigmoid", "noaux_tc", False),
+    ("softmax", "greedy", False),
+    ("softmax", "group_limited_greedy", True),
+]
+
+
+@pytest.mark.parametrize("routing", ROUTING, ids=lambda r: "-".join(map(str, r)))
+@pytest.mark.parametrize("moe", ["small", "deepseek_v3"])
+def test_moe_route(target: Target, routing, moe: str) -> None:
+    shape = SMALL_MOE if moe == "small" else v3_moe()
+    checks.check_moe_route(target.ops, target.device, shape, *routing, f"route-{moe}-{routing}")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("moe", ["small", "deepseek_v3"])
+def test_grouped_gemm(target: Target, dtype: str, moe: str) -> None:
+    shape = SMALL_MOE if moe == "small" else v3_moe()
+    checks.check_grouped_gemm(target.ops, target.device, _dtype(target, dtype), shape, f"gg-{moe}-{dtype}")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("with_remote", [False, True], ids=["all-local", "some-remote"])
+@pytest.mark.parametrize("moe", ["small", "deepseek_v3"])
+def test_fused_moe(target: Target, dtype: str, with_remote: bool, moe: str) -> None:
+    shape = SMALL_MOE if moe == "small" else v3_moe()
+    case = f"moe-{moe}-{with_remote}-{dtype}"
+    checks.check_fused_moe(target.ops, target.device, _dtype(target, dtype), shape, with_remote, case)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("moe", ["small", "deepseek_v3"])
+def test_ep_dispatch_combine_single_rank(target: Target, dtype: str, moe: str) -> None:
+    shape = SMALL_MOE if moe == "small" else v3_moe()
+    checks.check_ep_single_rank(target.ops, target.device, _dtype(target, dtype), shape, f"ep-{moe}-{dtype}")
+
+
+@pytest.mark.parametrize("case", ["a", "b", "c"])
+def test_sample(target: Target, case: str) -> None:
+    checks.check_sample(target.ops, target.device, f"sample-{case}")
+
+
+def test_every_interface_op_is_covered() -> None:
+    """A new interface op must get a conformance check here."""
+    from deepinfer.backends.registry import interface_ops
+
+    covered = {
+        "rms_norm", "add_rms_norm", "silu_and_mul", "rope", "kv_cache_spec", "kv_cache_write",
+        "kv_cache_gather", "mla_prefill", "mla_decode", "moe_route", "grouped_gemm", "fused_moe",
+        "ep_dispatch", "ep_combine", "sample",
+    }  # fmt: skip
+    assert set(interface_ops()) == covered

@@ -1,0 +1,86 @@
+"""Every ``DEEPINFER_*`` environment variable, declared once with its default and meaning.
+
+Read a variable with ``envs.get("DEEPINFER_ACCELERATOR")``; reading an undeclared name is an error, so
+the table below is the complete list. Values are read at call time (never cached at import), so tests
+and launchers may set them before the engine starts.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True, slots=True)
+class EnvVar:
+    name: str
+    default: str | None
+    parse: Callable[[str], Any]
+    doc: str
+
+
+def _bool(value: str) -> bool:
+    lowered = value.strip().lower()
+    if lowered in ("1", "true", "yes", "on"):
+        return True
+    if lowered in ("0", "false", "no", "off", ""):
+        return False
+    raise ValueError(f"expected a boolean (1/0, true/false, yes/no, on/off), got {value!r}")
+
+
+ENV_VARS: dict[str, EnvVar] = {
+    v.name: v
+    for v in (
+        EnvVar(
+            "DEEPINFER_ACCELERATOR",
+            "auto",
+            str.strip,
+            "Platform to run on: cpu | nvidia | ascend | auto | the name of an out-of-tree platform. "
+            "auto picks ascend, then nvidia, then cpu, and logs why. An explicit choice the host cannot "
+            "satisfy is an error, never a silent fallback.",
+        ),
+        EnvVar(
+            "DEEPINFER_LOG_LEVEL",
+            "INFO",
+            str.strip,
+            "Log level of the `deepinfer` logger (DEBUG, INFO, WARNING, ERROR).",
+        ),
+        EnvVar(
+            "DEEPINFER_MODEL",
+            None,
+            str.strip,
+            "Default model folder for `python -m deepinfer.run` and `LLM()` when none is given; "
+            "unset means the model shipped inside the package.",
+        ),
+        EnvVar(
+            "DEEPINFER_MALLOC_TUNING",
+            "1",
+            _bool,
+            "When true, the command-line entry points re-execute themselves once with glibc malloc "
+            "thresholds raised (GLIBC_TUNABLES), which removes page-fault storms on large temporaries.",
+        ),
+        EnvVar(
+            "DEEPINFER_NUM_THREADS",
+            None,
+            int,
+            "Intra-op CPU threads for torch; unset leaves torch's default (the number of cores).",
+        ),
+    )
+}
+
+
+def get(name: str) -> Any:
+    """Return the parsed value of a declared variable, or its default (``None`` when it has none)."""
+    try:
+        var = ENV_VARS[name]
+    except KeyError:
+        raise KeyError(f"{name} is not a declared deepinfer environment variable") from None
+    raw = os.environ.get(name, var.default)
+    if raw is None:
+        return None
+    try:
+        return var.parse(raw)
+    except ValueError as exc:
+        raise ValueError(f"{name}={raw!r} is invalid: {exc}") from None
