@@ -1,0 +1,34 @@
+"""Engine configuration: one typed, validated source of truth for ``LLM`` and the CLI."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+DType = Literal["auto", "float32", "bfloat16", "float16"]
+
+
+class EngineConfig(BaseModel):
+    """How to run a model. Invalid values raise ``ValueError`` naming the field and the accepted range."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    model: str = Field(description="Hugging Face model folder")
+    tokenizer: str | None = Field(None, description="tokenizer folder; defaults to the model folder")
+    dtype: DType = Field("auto", description="auto: float32 on cpu, the checkpoint's dtype elsewhere")
+    accelerator: str | None = Field(None, description="platform name; None reads DEEPINFER_ACCELERATOR")
+    max_model_len: int | None = Field(None, ge=2, description="context length; None: the model's maximum")
+    max_num_seqs: int = Field(256, ge=1, description="most requests in one step")
+    max_num_batched_tokens: int = Field(2048, ge=16, description="token budget of one step")
+    long_prefill_token_threshold: int | None = Field(
+        None, ge=1, description="largest prompt chunk one request gets per step; None: the step budget"
+    )
+    enable_prefix_caching: bool = True
+    kv_cache_memory_gib: float | None = Field(
+        None, gt=0, description="KV cache size; None: 90% of free device memory (at most 4 GiB on cpu)"
+    )
+    num_kv_blocks: int | None = Field(
+        None, ge=1, description="exact number of KV blocks (overrides the size)"
+    )
+    seed: int = Field(0, description="seeds requests that carry no seed of their own")

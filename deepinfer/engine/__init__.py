@@ -1,0 +1,1 @@
+"""The engine core: requests, the scheduler, the KV-cache manager, the engine loop."""

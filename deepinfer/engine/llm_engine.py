@@ -1,0 +1,248 @@
+"""The engine: requests in, one scheduled step at a time, outputs out.
+
+``add_request`` / ``step`` / ``abort_request`` are the streaming interface (the server drives them);
+``LLM.generate`` loops over ``step`` for offline use. One step is schedule -> execute -> update:
+the scheduler picks tokens to compute, the model runner computes them on the active platform and
+samples, and the scheduler and output processor apply the results. The engine never branches on the
+platform: the platform names the device and the op backend, and that is all it needs.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import random
+import time
+from pathlib import Path
+
+import torch
+
+from deepinfer.backends import ops
+from deepinfer.backends.registry import activate
+from deepinfer.config import EngineConfig
+from deepinfer.engine.kv_cache_manager import KVCacheManager
+from deepinfer.engine.output_processor import OutputProcessor
+from deepinfer.engine.request import Request, RequestStatus
+from deepinfer.engine.scheduler import Scheduler, SchedulerConfig
+from deepinfer.logger import get_logger
+from deepinfer.model.loader import load_model
+from deepinfer.outputs import RequestOutput
+from deepinfer.platform.interface import Platform
+from deepinfer.platform.registry import resolve_platform, set_current_platform
+from deepinfer.sampling_params import SamplingParams
+from deepinfer.tokenizer import Tokenizer
+from deepinfer.worker.model_runner import ModelRunner
+
+logger = get_logger(__name__)
+
+CPU_KV_CACHE_CAP = 4 << 30
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _resolve_dtype(config: EngineConfig, platform: Platform, checkpoint_dtype: str | None) -> torch.dtype:
+    if config.dtype != "auto":
+        return DTYPES[config.dtype]
+    if platform.device_type == "cpu":
+        return torch.float32
+    return DTYPES.get(checkpoint_dtype or "bfloat16", torch.bfloat16)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.platform = resolve_platform(config.accelerator)
+        set_current_platform(self.platform)
+        activate(self.platform)
+        self.device = self.platform.device()
+        folder = Path(config.model)
+        raw_dtype = _checkpoint_dtype(folder)
+        self.dtype = _resolve_dtype(config, self.platform, raw_dtype)
+        self.model, self.checkpoint = load_model(folder, self.dtype, self.device)
+        self.model_config = self.model.config
+        tokenizer_dir = Path(config.tokenizer or config.model)
+        self.tokenizer = Tokenizer(tokenizer_dir) if (tokenizer_dir / "tokenizer.json").is_file() else None
+        self.generation_config = _read_json(folder / "generation_config.json")
+        self.eos_token_ids = self._eos_ids()
+
+        max_len = self.model_config.max_position_embeddings
+        if config.max_model_len is not None and config.max_model_len > max_len:
+            raise ValueError(f"max_model_len={config.max_model_len} exceeds the model's maximum of {max_len}")
+        self.max_model_len = config.max_model_len or max_len
+
+        c = self.model_config
+        self.cache_spec = ops.kv_cache_spec(c.kv_lora_rank, c.qk_rope_head_dim, self.dtype)
+        num_blocks = self._num_kv_blocks()
+        self.kv_caches = [
+            self.cache_spec.allocate(num_blocks, self.device) for _ in range(self.model.num_cache_layers)
+        ]
+        self.kv_cache = KVCacheManager(num_blocks, self.cache_spec.block_size, config.enable_prefix_caching)
+        budget = config.max_num_batched_tokens
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                max_num_seqs=config.max_num_seqs,
+                max_num_batched_tokens=budget,
+                max_model_len=self.max_model_len,
+                long_prefill_token_threshold=config.long_prefill_token_threshold or budget,
+            ),
+            self.kv_cache,
+        )
+        self.runner = ModelRunner(
+            self.model, self.kv_caches, self.cache_spec.block_size, self.device, self.eos_token_ids
+        )
+        self.outputs = OutputProcessor(self.tokenizer)
+        self._rng = random.Random(config.seed)
+        self._ids = itertools.count()
+        self._children: dict[str, list[str]] = {}
+        logger.info(
+            "engine ready: %s on %s, %s, %d KV blocks of %d tokens (%d layers)",
+            folder.name,
+            self.platform.describe(),
+            str(self.dtype).removeprefix("torch."),
+            num_blocks,
+            self.cache_spec.block_size,
+            self.model.num_cache_layers,
+        )
+
+    # ------------------------------------------------------------------ setup helpers
+    def _eos_ids(self) -> frozenset[int]:
+        ids = set(self.model_config.eos_token_ids)
+        gen_eos = self.generation_config.get("eos_token_id")
+        if gen_eos is not None:
+            ids.update(gen_eos if isinstance(gen_eos, list) else [gen_eos])
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            ids.add(self.tokenizer.eos_token_id)
+        return frozenset(ids)
+
+    def _num_kv_blocks(self) -> int:
+        if self.config.num_kv_blocks is not None:
+            return self.config.num_kv_blocks
+        per_block = self.cache_spec.bytes_per_block() * self.model.num_cache_layers
+        if self.config.kv_cache_memory_gib is not None:
+            budget = int(self.config.kv_cache_memory_gib * (1 << 30))
+        else:
+            free, _ = self.platform.mem_get_info()
+            budget = int(free * 0.9)
+            if self.platform.device_type == "cpu":
+                budget = min(budget, CPU_KV_CACHE_CAP)
+        blocks = budget // per_block
+        needed = -(-self.max_model_len // self.cache_spec.block_size)
+        if blocks < needed:
+            raise ValueError(
+                f"KV cache of {budget / 2**30:.2f} GiB holds {blocks} blocks, fewer than the {needed} one "
+                f"request of max_model_len={self.max_model_len} needs; lower max_model_len or raise "
+                "kv_cache_memory_gib"
+            )
+        return blocks
+
+    # ------------------------------------------------------------------ requests
+    def new_request_id(self) -> str:
+        return f"req-{next(self._ids)}"
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_token_ids: list[int] | None,
+        params: SamplingParams,
+    ) -> None:
+        """Queue a request. Give ``prompt`` (text, tokenized here), ``prompt_token_ids``, or both
+        (the ids are used; the text is echoed back in outputs)."""
+        if request_id in self._children:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        if prompt_token_ids is None:
+            if prompt is None:
+                raise ValueError("a request needs a prompt or prompt_token_ids")
+            if self.tokenizer is None:
+                raise ValueError("this model folder has no tokenizer.json; pass prompt_token_ids")
+            prompt_token_ids = self.tokenizer.encode(prompt)
+        prompt_token_ids = list(prompt_token_ids)
+        self._validate_prompt(prompt_token_ids)
+        room = self.max_model_len - len(prompt_token_ids)
+        if params.max_tokens is not None and params.max_tokens > room:
+            raise ValueError(
+                f"max_tokens={params.max_tokens} plus the prompt's {len(prompt_token_ids)} tokens exceeds the "
+                f"context length {self.max_model_len}; at most {room} new tokens fit"
+            )
+        max_tokens = params.max_tokens or room
+        base_seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
+        children = []
+        for i in range(params.n):
+            child_id = request_id if params.n == 1 else f"{request_id}#{i}"
+            seed = base_seed if i == 0 else (base_seed * 1_000_003 + i) % (1 << 63)
+            children.append(
+                Request(
+                    request_id=child_id,
+                    prompt_token_ids=prompt_token_ids,
+                    sampling_params=params,
+                    seed=seed,
+                    max_tokens=max_tokens,
+                    eos_token_ids=self.eos_token_ids,
+                    arrival_time=time.monotonic(),
+                )
+            )
+        self.outputs.add(request_id, prompt, children)
+        for child in children:
+            self.scheduler.add_request(child)
+        self._children[request_id] = [c.request_id for c in children]
+
+    def _validate_prompt(self, ids: list[int]) -> None:
+        if not ids:
+            raise ValueError("the prompt is empty: at least one token is needed")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(
+                f"the prompt has {len(ids)} tokens; the context length is {self.max_model_len}, so at most "
+                f"{self.max_model_len - 1} prompt tokens fit"
+            )
+        vocab = self.model_config.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+
+    def abort_request(self, request_ids: str | list[str]) -> None:
+        """Stop requests now and free their KV blocks. Unknown or finished ids are ignored."""
+        for rid in [request_ids] if isinstance(request_ids, str) else request_ids:
+            for child_id in self._children.pop(rid, []):
+                request = self.scheduler.requests.get(child_id)
+                if request is not None:
+                    self.scheduler.finish_requests([child_id], RequestStatus.FINISHED_ABORTED)
+                    self.outputs.finish(request)
+            if rid in self.outputs.states:
+                self.outputs.output(rid)  # releases the state: every completion has now ended
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ------------------------------------------------------------------ the step
+    def step(self) -> list[RequestOutput]:
+        """Run one step; returns the (cumulative) outputs of every request that progressed."""
+        scheduled = self.scheduler.schedule()
+        if scheduled.is_empty:
+            return []
+        result = self.runner.execute(scheduled)
+        for rid, entries in result.prompt_logprobs.items():
+            self.outputs.record_prompt_logprobs(rid, entries)
+        updated = self.scheduler.update_from_output(scheduled, result.sampled)
+        parents = []
+        for request in updated:
+            stop = self.outputs.record_token(request, result.logprobs.get(request.request_id))
+            if stop is not None and not request.status.finished:
+                self.scheduler.finish_requests([request.request_id], RequestStatus.FINISHED_STOPPED, stop)
+            if request.status.finished:
+                self.outputs.finish(request)
+            parent = self.outputs.parent_of[request.request_id]
+            if parent not in parents:
+                parents.append(parent)
+        outputs = [self.outputs.output(p) for p in parents]
+        for out in outputs:
+            if out.finished:
+                self._children.pop(out.request_id, None)
+        return outputs
+
+
+def _read_json(path: Path) -> dict:
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def _checkpoint_dtype(folder: Path) -> str | None:
+    raw = _read_json(folder / "config.json")
+    return raw.get("torch_dtype") or raw.get("dtype")

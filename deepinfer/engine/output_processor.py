@@ -1,0 +1,167 @@
+"""Turns engine progress into ``RequestOutput``s: detokenization, stop strings, log-probabilities,
+and the grouping of ``n`` completions under one request.
+
+Owned by the LLMEngine; host data only. Stop strings are found here (they need text); the engine then
+finishes the request in the scheduler.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from deepinfer.engine.detokenizer import IncrementalDetokenizer
+from deepinfer.engine.request import Request
+from deepinfer.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from deepinfer.sampling_params import SamplingParams
+from deepinfer.tokenizer import Tokenizer
+from deepinfer.worker.sampler import to_logprob_dict
+
+
+@dataclass(slots=True)
+class CompletionState:
+    index: int
+    detokenizer: IncrementalDetokenizer
+    token_ids: list[int]
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    logprobs: list[dict[int, Logprob]] | None = None
+    cumulative_logprob: float | None = None
+
+
+@dataclass(slots=True)
+class RequestState:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    completions: list[CompletionState]
+    metrics: RequestMetrics
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    num_cached_tokens: int = 0
+    children: dict[str, int] = field(default_factory=dict)  # child request id -> completion index
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: Tokenizer | None) -> None:
+        self.tokenizer = tokenizer
+        self.states: dict[str, RequestState] = {}
+        self.parent_of: dict[str, str] = {}
+
+    def add(self, request_id: str, prompt: str | None, children: list[Request]) -> None:
+        params = children[0].sampling_params
+        now = time.monotonic()
+        state = RequestState(
+            request_id=request_id,
+            prompt=prompt,
+            prompt_token_ids=children[0].prompt_token_ids,
+            params=params,
+            completions=[],
+            metrics=RequestMetrics(arrival_time=now),
+            prompt_logprobs=[None] + [None] * (len(children[0].prompt_token_ids) - 1)
+            if params.prompt_logprobs is not None
+            else None,
+        )
+        for index, child in enumerate(children):
+            detok = (
+                IncrementalDetokenizer(self.tokenizer, child.prompt_token_ids, params.skip_special_tokens)
+                if (self.tokenizer is not None)
+                else None
+            )
+            state.completions.append(
+                CompletionState(
+                    index,
+                    detok,
+                    child.output_token_ids,
+                    logprobs=[] if params.logprobs is not None else None,
+                    cumulative_logprob=0.0 if params.logprobs is not None else None,
+                )
+            )
+            state.children[child.request_id] = index
+            self.parent_of[child.request_id] = request_id
+        self.states[request_id] = state
+
+    def _decode_token(self, token: int) -> str:
+        return self.tokenizer.decode([token], skip_special_tokens=False) if self.tokenizer else ""
+
+    def record_prompt_logprobs(
+        self, child_id: str, entries: list[tuple[int, list[tuple[int, float, int]]]]
+    ) -> None:
+        state = self.states[self.parent_of[child_id]]
+        if state.prompt_logprobs is None or state.children[child_id] != 0:
+            return
+        for position, entry in entries:
+            state.prompt_logprobs[position] = to_logprob_dict(entry, self._decode_token)
+
+    def record_token(self, request: Request, logprobs: list[tuple[int, float, int]] | None) -> str | None:
+        """Account for the request's newest token. Returns the stop string it completed, if any
+        (the caller must then finish the request)."""
+        state = self.states[self.parent_of[request.request_id]]
+        completion = state.completions[state.children[request.request_id]]
+        if state.metrics.first_token_time is None:
+            state.metrics.first_token_time = time.monotonic()
+            state.num_cached_tokens = max(request.num_cached_tokens, 0)
+        if logprobs is not None and completion.logprobs is not None:
+            completion.logprobs.append(to_logprob_dict(logprobs, self._decode_token))
+            completion.cumulative_logprob += logprobs[0][1]
+        detok = completion.detokenizer
+        if detok is None or not state.params.stop:
+            if detok is not None:
+                detok.add(request.output_token_ids[-1])
+            return None
+        before = len(detok.text)
+        delta = detok.add(request.output_token_ids[-1])
+        if not delta:
+            return None
+        longest = max(len(s) for s in state.params.stop)
+        search_from = max(0, before - longest + 1)
+        for stop in state.params.stop:
+            at = detok.text.find(stop, search_from)
+            if at >= 0:
+                keep = at + len(stop) if state.params.include_stop_str_in_output else at
+                detok.text = detok.text[:keep]
+                return stop
+        return None
+
+    def finish(self, request: Request) -> None:
+        state = self.states[self.parent_of[request.request_id]]
+        completion = state.completions[state.children[request.request_id]]
+        if completion.finish_reason is not None:
+            return
+        completion.finish_reason = request.status.value
+        completion.stop_reason = request.stop_reason
+        if completion.detokenizer is not None and not isinstance(request.stop_reason, str):
+            completion.detokenizer.flush()
+
+    def output(self, request_id: str) -> RequestOutput:
+        """The cumulative output of a (parent) request; releases its state once every completion ended."""
+        state = self.states[request_id]
+        finished = all(c.finish_reason is not None for c in state.completions)
+        if finished and state.metrics.finished_time is None:
+            state.metrics.finished_time = time.monotonic()
+        outputs = [
+            CompletionOutput(
+                index=c.index,
+                text=c.detokenizer.text if c.detokenizer is not None else "",
+                token_ids=list(c.token_ids),
+                finish_reason=c.finish_reason,
+                stop_reason=c.stop_reason,
+                logprobs=list(c.logprobs) if c.logprobs is not None else None,
+                cumulative_logprob=c.cumulative_logprob,
+            )
+            for c in state.completions
+        ]
+        if finished:
+            del self.states[request_id]
+            for child in state.children:
+                del self.parent_of[child]
+        return RequestOutput(
+            request_id=state.request_id,
+            prompt=state.prompt,
+            prompt_token_ids=state.prompt_token_ids,
+            outputs=outputs,
+            finished=finished,
+            metrics=state.metrics,
+            prompt_logprobs=state.prompt_logprobs,
+            num_cached_tokens=state.num_cached_tokens,
+        )

@@ -1,0 +1,44 @@
+"""The scheduler's decision for one step: the contract between the scheduler and the model runner.
+
+Created by ``Scheduler.schedule``, consumed by ``ModelRunner.execute``. Plain host data: token ids,
+positions and block ids, never tensors. ``num_computed_tokens`` is the value BEFORE this step (the
+position of ``token_ids[0]``); the scheduler has already advanced the request past it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from deepinfer.sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class ScheduledRequest:
+    request_id: str
+    token_ids: list[int]  # the tokens whose KV this step computes
+    num_computed_tokens: int  # tokens already in the cache before this step
+    block_ids: list[int]  # every block of the request, in order
+    samples: bool  # True when this step reaches the request's last token, so a token is sampled
+    sampling_params: SamplingParams
+    seed: int
+    num_prompt_tokens: int
+    prompt_token_ids: list[int]  # read for repetition penalties and prompt logprobs
+    output_token_ids: list[int]  # read for penalties; also the sampling offset (its length)
+
+    @property
+    def num_new_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    requests: list[ScheduledRequest]
+    preempted_ids: list[str] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(r.token_ids) for r in self.requests)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.requests

@@ -1,0 +1,88 @@
+"""The offline API: ``LLM(model=...).generate(prompts, sampling_params)``."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from deepinfer.config import EngineConfig
+from deepinfer.engine.llm_engine import LLMEngine
+from deepinfer.model_zoo import default_model_path
+from deepinfer.outputs import RequestOutput
+from deepinfer.sampling_params import SamplingParams
+from deepinfer.tokenizer import Tokenizer
+
+
+class LLM:
+    """Generate completions for batches of prompts.
+
+    ``model`` is a Hugging Face model folder (default: the model shipped with deepinfer); any other
+    keyword is an ``EngineConfig`` field (``dtype``, ``max_model_len``, ``enable_prefix_caching`` ...).
+    """
+
+    def __init__(self, model: str | None = None, **engine_options: Any) -> None:
+        self.engine = LLMEngine(EngineConfig(model=str(model or default_model_path()), **engine_options))
+
+    def get_tokenizer(self) -> Tokenizer | None:
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: str | Sequence[str] | Sequence[Sequence[int]] | None = None,
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        prompt_token_ids: Sequence[Sequence[int]] | None = None,
+    ) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs come back in prompt order.
+
+        ``prompts`` is a string, a list of strings, or a list of token-id lists; ``prompt_token_ids``
+        is the explicit form of the latter. ``sampling_params`` is one SamplingParams for all prompts
+        or one per prompt (default: ``SamplingParams()``).
+        """
+        texts, ids = _normalise_prompts(prompts, prompt_token_ids)
+        count = len(texts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        params = (
+            [sampling_params] * count
+            if isinstance(sampling_params, SamplingParams)
+            else list(sampling_params)
+        )
+        if len(params) != count:
+            raise ValueError(
+                f"got {len(params)} sampling_params for {count} prompts; give one or one per prompt"
+            )
+        engine = self.engine
+        request_ids = [engine.new_request_id() for _ in range(count)]
+        try:
+            for rid, text, token_ids, p in zip(request_ids, texts, ids, params):
+                engine.add_request(rid, text, token_ids, p)
+            finished: dict[str, RequestOutput] = {}
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    if out.finished:
+                        finished[out.request_id] = out
+        except BaseException:
+            engine.abort_request(request_ids)
+            raise
+        return [finished[rid] for rid in request_ids]
+
+
+def _normalise_prompts(
+    prompts: str | Sequence[str] | Sequence[Sequence[int]] | None,
+    prompt_token_ids: Sequence[Sequence[int]] | None,
+) -> tuple[list[str | None], list[list[int] | None]]:
+    if prompts is not None and prompt_token_ids is not None:
+        raise ValueError("give prompts or prompt_token_ids, not both")
+    if prompt_token_ids is not None:
+        return [None] * len(prompt_token_ids), [list(p) for p in prompt_token_ids]
+    if prompts is None:
+        raise ValueError("no prompts given")
+    if isinstance(prompts, str):
+        return [prompts], [None]
+    prompts = list(prompts)
+    if all(isinstance(p, str) for p in prompts):
+        return prompts, [None] * len(prompts)
+    if all(isinstance(p, (list, tuple)) and all(isinstance(t, int) for t in p) for p in prompts):
+        return [None] * len(prompts), [list(p) for p in prompts]
+    raise ValueError("prompts must be a string, a list of strings, or a list of token-id lists")

@@ -1,0 +1,1 @@
+"""The DeepSeek-V3 family model, its configuration and the checkpoint loader."""

@@ -1,0 +1,112 @@
+"""Multi-head latent attention (MLA): expanded form for prefill, absorbed form for decode.
+
+Per token the cache holds only the normalised latent ``c`` (kv_lora_rank wide) and the rotated rope key
+(qk_rope_head_dim wide). Prefill expands cached and new latents into per-head keys and values with
+``kv_b_proj`` and runs ``mla_prefill``; decode folds ``W_UK`` into the query and ``W_UV`` after the
+attention, so ``mla_decode`` reads the latent cache directly (MQA with one 576-wide head for V3).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor, nn
+
+from deepinfer.backends import ops
+from deepinfer.model.attn_metadata import AttentionMetadata
+from deepinfer.model.config import ModelConfig
+from deepinfer.model.layers import Linear, RMSNorm
+
+
+class MLAAttention(nn.Module):
+    def __init__(
+        self, config: ModelConfig, layer: int, dtype: torch.dtype, device: torch.device | str
+    ) -> None:
+        super().__init__()
+        c = config
+        self.heads = c.num_attention_heads
+        self.nope, self.rope_dim, self.v_dim = c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim
+        self.latent = c.kv_lora_rank
+        self.scale = c.softmax_scale
+        self.window = c.window_of(layer)
+        self.interleaved = c.rope_interleave
+        bias = c.attention_bias
+        if c.q_lora_rank:
+            self.q_a_proj = Linear(c.hidden_size, c.q_lora_rank, bias, dtype, device)
+            self.q_a_layernorm = RMSNorm(c.q_lora_rank, c.rms_norm_eps, dtype, device)
+            self.q_b_proj = Linear(c.q_lora_rank, self.heads * c.qk_head_dim, False, dtype, device)
+        else:
+            self.q_proj = Linear(c.hidden_size, self.heads * c.qk_head_dim, False, dtype, device)
+        self.kv_a_proj_with_mqa = Linear(c.hidden_size, self.latent + self.rope_dim, bias, dtype, device)
+        self.kv_a_layernorm = RMSNorm(self.latent, c.rms_norm_eps, dtype, device)
+        self.kv_b_proj = Linear(self.latent, self.heads * (self.nope + self.v_dim), False, dtype, device)
+        self.o_proj = Linear(self.heads * self.v_dim, c.hidden_size, bias, dtype, device)
+        self.w_uk: Tensor | None = None  # [H, Dn, L], set by finish_loading
+        self.w_uv: Tensor | None = None  # [H, Dv, L]
+
+    def finish_loading(self) -> None:
+        """Split kv_b_proj into the absorbed-decode factors (views, no copy)."""
+        w = self.kv_b_proj.weight.view(self.heads, self.nope + self.v_dim, self.latent)
+        self.w_uk, self.w_uv = w[:, : self.nope], w[:, self.nope :]
+
+    def forward(
+        self,
+        hidden: Tensor,
+        positions: Tensor,
+        meta: AttentionMetadata,
+        kv_cache: Sequence[Tensor],
+        cos_sin: Tensor,
+    ) -> Tensor:
+        num_tokens = hidden.shape[0]
+        if hasattr(self, "q_proj"):
+            q = self.q_proj(hidden)
+        else:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden)))
+        q = q.view(num_tokens, self.heads, self.nope + self.rope_dim)
+        q_nope, q_pe = q.split((self.nope, self.rope_dim), dim=-1)
+        kv_c, k_pe = self.kv_a_proj_with_mqa(hidden).split((self.latent, self.rope_dim), dim=-1)
+        kv_c = self.kv_a_layernorm(kv_c)
+        q_pe, k_pe = ops.rope(q_pe, k_pe, positions, cos_sin, self.interleaved)
+        ops.kv_cache_write(kv_c, k_pe, kv_cache, meta.slot_mapping)
+
+        out = hidden.new_empty(num_tokens, self.heads, self.v_dim)
+        num_decode = meta.num_decode_tokens
+        if meta.decode is not None:
+            d = meta.decode
+            q_latent = torch.einsum("thd,hdl->thl", q_nope[:num_decode], self.w_uk)
+            o_latent = ops.mla_decode(
+                q_latent,
+                q_pe[:num_decode].contiguous(),
+                kv_cache,
+                d.block_table,
+                d.seq_lens,
+                d.query_start_loc,
+                d.max_query_len,
+                self.scale,
+                self.window,
+            )
+            out[:num_decode] = torch.einsum("thl,hvl->thv", o_latent, self.w_uv)
+        if meta.prefill is not None:
+            p = meta.prefill
+            if p.context_slots is None:
+                ctx_c, ctx_pe = kv_c[num_decode:], k_pe[num_decode:]
+            else:
+                ctx_c, ctx_pe = ops.kv_cache_gather(kv_cache, p.context_slots, self.latent)
+            num_keys = ctx_c.shape[0]
+            kv = self.kv_b_proj(ctx_c.to(hidden.dtype)).view(num_keys, self.heads, self.nope + self.v_dim)
+            k_nope, v = kv.split((self.nope, self.v_dim), dim=-1)
+            k = torch.cat((k_nope, ctx_pe.to(hidden.dtype)[:, None, :].expand(-1, self.heads, -1)), dim=-1)
+            q_prefill = torch.cat((q_nope[num_decode:], q_pe[num_decode:]), dim=-1)
+            out[num_decode:] = ops.mla_prefill(
+                q_prefill,
+                k,
+                v.contiguous(),
+                p.cu_seqlens_q,
+                p.cu_seqlens_k,
+                p.max_seqlen_q,
+                p.max_seqlen_k,
+                self.scale,
+                self.window,
+            )
+        return self.o_proj(out.view(num_tokens, self.heads * self.v_dim))

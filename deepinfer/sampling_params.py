@@ -1,0 +1,61 @@
+"""Per-request sampling and stopping parameters (validated at construction)."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+
+class SamplingParams(BaseModel):
+    """How to sample a request's tokens and when to stop.
+
+    Invalid values raise ``ValueError`` (pydantic's ValidationError) naming the field and the
+    accepted range. ``temperature=0`` is greedy. ``top_k`` 0 or -1 disables top-k. ``logprobs=k``
+    returns, per generated token, the sampled token's log-probability plus the k most likely ones
+    (``0``: the sampled token only); ``prompt_logprobs`` likewise for prompt tokens. Log-probabilities
+    are those of the model's raw distribution (before penalties and temperature).
+    """
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    n: int = Field(1, ge=1, le=128, description="number of completions per prompt")
+    temperature: float = Field(1.0, ge=0.0, le=100.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=-1, description="0 or -1: disabled")
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    seed: int | None = Field(None, ge=-(2**63), lt=2**63)
+    max_tokens: int | None = Field(16, ge=1, description="None: up to the model's context length")
+    min_tokens: int = Field(0, ge=0)
+    stop: list[str] = Field(default_factory=list)
+    stop_token_ids: list[int] = Field(default_factory=list)
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    logprobs: int | None = Field(None, ge=0, le=20)
+    prompt_logprobs: int | None = Field(None, ge=0, le=20)
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(1.0, gt=0.0, le=10.0)
+    skip_special_tokens: bool = True
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop_list(cls, value: object) -> object:
+        if value is None:
+            return []
+        if isinstance(value, str):
+            return [value]
+        return value
+
+    @field_validator("stop")
+    @classmethod
+    def _no_empty_stop(cls, value: list[str]) -> list[str]:
+        if any(s == "" for s in value):
+            raise ValueError("stop strings must be non-empty")
+        return value
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def needs_penalties(self) -> bool:
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0

@@ -1,0 +1,1 @@
+"""Device-side execution: the model runner and the sampler."""

@@ -1,0 +1,155 @@
+"""Runs one scheduled step on the device: host batch -> tensors -> model -> sampled tokens.
+
+Created by the engine with the loaded model and its KV cache; ``execute`` consumes a
+``SchedulerOutput`` (host data) and returns a ``RunnerOutput`` (host data). Tokens are laid out decode
+requests first (few new tokens: absorbed attention over the paged cache), then prefill chunks
+(expanded attention), which is the order ``AttentionMetadata`` promises the layers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from deepinfer.engine.sched_output import ScheduledRequest, SchedulerOutput
+from deepinfer.model.attn_metadata import AttentionMetadata, DecodeMetadata, PrefillMetadata
+from deepinfer.model.deepseek_v3 import DeepseekV3ForCausalLM
+from deepinfer.worker.sampler import sample_rows, top_logprobs
+
+
+@dataclass(slots=True)
+class RunnerOutput:
+    sampled: dict[str, int] = field(default_factory=dict)
+    logprobs: dict[str, list[tuple[int, float, int]]] = field(default_factory=dict)
+    # request id -> [(prompt position, (token, logprob, rank) entries)] for prompt tokens in this chunk
+    prompt_logprobs: dict[str, list[tuple[int, list[tuple[int, float, int]]]]] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class StepInputs:
+    """The device tensors of one step and where each request's tokens sit in them."""
+
+    input_ids: Tensor
+    positions: Tensor
+    meta: AttentionMetadata
+    order: list[ScheduledRequest]
+    token_offsets: list[int]  # first token index of each request in ``order``
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: DeepseekV3ForCausalLM,
+        kv_caches: Sequence[Sequence[Tensor]],
+        block_size: int,
+        device: torch.device,
+        eos_token_ids: frozenset[int],
+        decode_query_len: int = 1,
+    ) -> None:
+        self.model = model
+        self.kv_caches = kv_caches
+        self.block_size = block_size
+        self.device = device
+        self.eos_token_ids = eos_token_ids
+        self.decode_query_len = decode_query_len
+
+    # ------------------------------------------------------------------ inputs
+    def prepare(self, requests: Sequence[ScheduledRequest]) -> StepInputs:
+        decode = [r for r in requests if r.num_new_tokens <= self.decode_query_len]
+        prefill = [r for r in requests if r.num_new_tokens > self.decode_query_len]
+        order = decode + prefill
+        bs = self.block_size
+        query_lens = np.array([r.num_new_tokens for r in order], dtype=np.int64)
+        starts = np.array([r.num_computed_tokens for r in order], dtype=np.int64)
+        seq_lens = starts + query_lens
+        offsets = np.concatenate(([0], np.cumsum(query_lens)))
+        width = max(len(r.block_ids) for r in order)
+        table = np.zeros((len(order), width), dtype=np.int64)
+        for i, r in enumerate(order):
+            table[i, : len(r.block_ids)] = r.block_ids
+
+        req_of_token = np.repeat(np.arange(len(order)), query_lens)
+        positions = starts[req_of_token] + (np.arange(offsets[-1]) - offsets[req_of_token])
+        slots = table[req_of_token, positions // bs] * bs + positions % bs
+        input_ids = np.fromiter(
+            (t for r in order for t in r.token_ids), dtype=np.int64, count=int(offsets[-1])
+        )
+
+        dev = self.device
+        decode_meta = prefill_meta = None
+        num_decode = len(decode)
+        if decode:
+            decode_meta = DecodeMetadata(
+                num_tokens=int(offsets[num_decode]),
+                block_table=torch.from_numpy(table[:num_decode].astype(np.int32)).to(dev),
+                seq_lens=torch.from_numpy(seq_lens[:num_decode].astype(np.int32)).to(dev),
+                query_start_loc=torch.from_numpy(offsets[: num_decode + 1].astype(np.int32)).to(dev),
+                max_query_len=int(query_lens[:num_decode].max()),
+            )
+        if prefill:
+            p_q, p_k = query_lens[num_decode:], seq_lens[num_decode:]
+            context_slots = None
+            if (starts[num_decode:] > 0).any():
+                context_slots = np.concatenate(
+                    [
+                        table[i, np.arange(n) // bs] * bs + np.arange(n) % bs
+                        for i, n in enumerate(p_k, num_decode)
+                    ]
+                )
+                context_slots = torch.from_numpy(context_slots).to(dev)
+            prefill_meta = PrefillMetadata(
+                cu_seqlens_q=torch.from_numpy(np.concatenate(([0], np.cumsum(p_q))).astype(np.int32)).to(dev),
+                cu_seqlens_k=torch.from_numpy(np.concatenate(([0], np.cumsum(p_k))).astype(np.int32)).to(dev),
+                max_seqlen_q=int(p_q.max()),
+                max_seqlen_k=int(p_k.max()),
+                context_slots=context_slots,
+            )
+        meta = AttentionMetadata(torch.from_numpy(slots).to(dev), decode_meta, prefill_meta)
+        return StepInputs(
+            torch.from_numpy(input_ids).to(dev),
+            torch.from_numpy(positions).to(dev),
+            meta,
+            order,
+            offsets[:-1].tolist(),
+        )
+
+    # ------------------------------------------------------------------ step
+    @torch.inference_mode()
+    def execute(self, scheduled: SchedulerOutput) -> RunnerOutput:
+        inputs = self.prepare(scheduled.requests)
+        hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta, self.kv_caches)
+        out = RunnerOutput()
+
+        sampling = [(i, r) for i, r in enumerate(inputs.order) if r.samples]
+        if sampling:
+            last = [inputs.token_offsets[i] + r.num_new_tokens - 1 for i, r in sampling]
+            logits = self.model.compute_logits(hidden[torch.tensor(last, device=self.device)])
+            rows = [r for _, r in sampling]
+            result = sample_rows(logits, rows, self.eos_token_ids)
+            for r, token, lp in zip(rows, result.token_ids, result.logprobs):
+                out.sampled[r.request_id] = token
+                if lp is not None:
+                    out.logprobs[r.request_id] = lp
+
+        for i, r in enumerate(inputs.order):
+            k = r.sampling_params.prompt_logprobs
+            if k is not None and r.num_computed_tokens < r.num_prompt_tokens - 1:
+                out.prompt_logprobs[r.request_id] = self._prompt_logprobs(
+                    hidden, inputs.token_offsets[i], r, k
+                )
+        return out
+
+    def _prompt_logprobs(
+        self, hidden: Tensor, offset: int, r: ScheduledRequest, k: int
+    ) -> list[tuple[int, list[tuple[int, float, int]]]]:
+        """Log-probabilities of prompt tokens start+1 .. end of this chunk (from the logits before them)."""
+        start = r.num_computed_tokens
+        end = min(start + r.num_new_tokens, r.num_prompt_tokens - 1)
+        logits = self.model.compute_logits(hidden[offset : offset + end - start])
+        targets = torch.tensor(r.prompt_token_ids[start + 1 : end + 1], device=self.device)
+        entries = top_logprobs(logits, targets, k)
+        return [(start + 1 + j, entry) for j, entry in enumerate(entries)]
