@@ -35,14 +35,15 @@ def counter_uniform(seeds: Tensor, offsets: Tensor, vocab_size: int) -> Tensor:
     """Uniform noise in (0, 1): [B, vocab_size] float32, a pure function of (seed, offset, token).
 
     ``key = mix32(mix32(seed_lo ^ mix32(seed_hi)) ^ offset_lo)``; ``h = mix32(key ^ mix32(token))``;
-    ``u = ((h >> 8) + 0.5) / 2**24`` (24 bits, exact in float32).
+    ``u = ((h >> 9) + 0.5) / 2**23`` (23 bits, exact in float32, so u lies in [2**-24, 1 - 2**-24]; with
+    24 bits the upper half would round and the largest hash would give u == 1, infinite noise).
     """
     seeds = seeds.long()
     seed_key = mix32((seeds & _M32) ^ mix32((seeds >> 32) & _M32))
     key = mix32(seed_key ^ (offsets.long() & _M32))
     tokens = mix32(torch.arange(vocab_size, device=seeds.device, dtype=torch.int64))
     h = mix32(key[:, None] ^ tokens[None, :])
-    return ((h >> 8).float() + 0.5) * (1.0 / (1 << 24))
+    return ((h >> 9).float() + 0.5) * (1.0 / (1 << 23))
 
 
 def allowed_tokens(probs: Tensor, top_k: Tensor, top_p: Tensor, min_p: Tensor) -> Tensor:
@@ -60,7 +61,7 @@ def allowed_tokens(probs: Tensor, top_k: Tensor, top_p: Tensor, min_p: Tensor) -
         kept = sorted_probs * keep
         kept = kept / kept.sum(dim=-1, keepdim=True)
         mass_before = kept.cumsum(dim=-1) - kept
-        keep &= mass_before < top_p[:, None]
+        keep &= (mass_before < top_p[:, None]) | (top_p[:, None] >= 1.0)  # 1 = off, even if the sum rounds
         mask &= torch.zeros_like(mask).scatter_(1, order, keep)
     return mask
 
