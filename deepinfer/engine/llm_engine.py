@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from deepinfer import envs
 from deepinfer.backends import ops
 from deepinfer.backends.registry import activate
 from deepinfer.config import EngineConfig
@@ -50,6 +51,9 @@ def _resolve_dtype(config: EngineConfig, platform: Platform, checkpoint_dtype: s
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
+        threads = envs.get("DEEPINFER_NUM_THREADS")
+        if threads:
+            torch.set_num_threads(threads)
         self.platform = resolve_platform(config.accelerator)
         set_current_platform(self.platform)
         activate(self.platform)

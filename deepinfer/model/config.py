@@ -10,9 +10,21 @@ from __future__ import annotations
 import math
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 SUPPORTED_MODEL_TYPES = ("deepseek_v3", "deepseek_v2")
+_REQUIRED = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "kv_lora_rank",
+    "qk_nope_head_dim",
+    "qk_rope_head_dim",
+    "v_head_dim",
+    "max_position_embeddings",
+)
 
 
 class UnsupportedConfigError(ValueError):
@@ -161,6 +173,28 @@ class ModelConfig(BaseModel):
                     f"config.json: quantization_config.fmt={quant.get('fmt')!r} is not supported; supported: e4m3"
                 )
         q_lora = raw.get("q_lora_rank") or None
+        missing = [k for k in _REQUIRED if k not in raw]
+        if missing:
+            raise UnsupportedConfigError(f"config.json is missing required keys: {', '.join(missing)}")
+        try:
+            return cls._build(raw, model_type, is_v3, q_lora, routed, eos, fp8_block)
+        except ValidationError as exc:
+            problems = "; ".join(
+                f"{'.'.join(map(str, e['loc'])) or 'config'}: {e['msg']}" for e in exc.errors()
+            )
+            raise UnsupportedConfigError(f"config.json: {problems}") from None
+
+    @classmethod
+    def _build(
+        cls,
+        raw: dict[str, Any],
+        model_type: str,
+        is_v3: bool,
+        q_lora: int | None,
+        routed: int | None,
+        eos: Any,
+        fp8_block: tuple[int, int] | None,
+    ) -> ModelConfig:
         return cls(
             model_type=model_type,
             vocab_size=raw["vocab_size"],

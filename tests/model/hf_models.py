@@ -51,16 +51,32 @@ def make_hf_checkpoint(path: Path, seed: int = 0, **overrides: Any):
     return model
 
 
+def write_fused_layout(model, config_dir: Path, dst: Path) -> None:
+    """The model in transformers 5's in-memory layout (``mlp.experts.gate_up_proj`` stacked
+    [E, 2I, D]); ``save_pretrained`` itself converts back to per-expert tensors on disk."""
+    dst.mkdir(parents=True, exist_ok=True)
+    save_file(_state(model), dst / "model.safetensors")
+    (dst / "config.json").write_text((config_dir / "config.json").read_text())
+
+
+def _state(model) -> dict[str, torch.Tensor]:
+    return {
+        k: v.detach().clone().contiguous() for k, v in model.state_dict().items() if "rotary_emb" not in k
+    }
+
+
 FP8_SKIP = ("embed_tokens", "norm", "lm_head", "mlp.gate.", "layernorm", "e_score_correction_bias")
 
 
-def rewrite_deepseek_layout(src: Path, dst: Path, fp8: bool, shards: int = 2, block: int = 32) -> None:
-    """Rewrite a transformers checkpoint in DeepSeek's published layout: experts split per expert
+def rewrite_deepseek_layout(
+    model, config_dir: Path, dst: Path, fp8: bool, shards: int = 2, block: int = 32
+) -> None:
+    """Write the model in DeepSeek's published layout: experts split per expert
     (``mlp.experts.{e}.gate_proj.weight`` ...), optionally FP8 e4m3 linear weights with block scales
     (``weight_scale_inv``; a small block so that the tiny matrices have several), in ``shards`` files
     with a ``model.safetensors.index.json``."""
     dst.mkdir(parents=True, exist_ok=True)
-    tensors = load_file(src / "model.safetensors")
+    tensors = _state(model)
     out: dict[str, torch.Tensor] = {}
     for name, t in tensors.items():
         if name.endswith("mlp.experts.gate_up_proj"):
@@ -88,7 +104,7 @@ def rewrite_deepseek_layout(src: Path, dst: Path, fp8: bool, shards: int = 2, bl
         save_file({n: out[n].contiguous() for n in part}, dst / file)
         weight_map.update(dict.fromkeys(part, file))
     (dst / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
-    raw = json.loads((src / "config.json").read_text())
+    raw = json.loads((config_dir / "config.json").read_text())
     if fp8:
         raw["quantization_config"] = {
             "quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [block, block], "activation_scheme": "dynamic"

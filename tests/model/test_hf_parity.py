@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from deepinfer import LLM, SamplingParams
-from deepinfer.engine.llm_engine import LLMEngine
 from tests.model.hf_models import CONFIGS, make_hf_checkpoint
+from tests.model.stepping import greedy_steps_with_logits
 
 PROMPT_LENS = [5, 23, 40, 9]
 NEW_TOKENS = 32
@@ -24,32 +24,6 @@ NEW_TOKENS = 32
 def prompts(vocab: int) -> list[list[int]]:
     gen = torch.Generator().manual_seed(7)
     return [torch.randint(2, vocab, (n,), generator=gen).tolist() for n in PROMPT_LENS]
-
-
-def greedy_steps_with_logits(
-    engine: LLMEngine, batch: list[list[int]], steps: int
-) -> dict[str, dict[int, torch.Tensor]]:
-    """Drive the engine step by step, keeping the logits of every computed position."""
-    params = SamplingParams(temperature=0.0, max_tokens=steps, ignore_eos=True)
-    for i, ids in enumerate(batch):
-        engine.add_request(f"p{i}", None, ids, params)
-    logits_at: dict[str, dict[int, torch.Tensor]] = {f"p{i}": {} for i in range(len(batch))}
-    while engine.has_unfinished_requests():
-        scheduled = engine.scheduler.schedule()
-        inputs = engine.runner.prepare(scheduled.requests)
-        with torch.inference_mode():
-            hidden = engine.model(inputs.input_ids, inputs.positions, inputs.meta, engine.kv_caches)
-            logits = engine.model.compute_logits(hidden)
-        sampled = {}
-        for r, offset in zip(inputs.order, inputs.token_offsets):
-            for j in range(r.num_new_tokens):
-                logits_at[r.request_id][r.num_computed_tokens + j] = logits[offset + j]
-            if r.samples:
-                sampled[r.request_id] = int(logits[offset + r.num_new_tokens - 1].argmax())
-        for request in engine.scheduler.update_from_output(scheduled, sampled):
-            if request.status.finished:
-                engine.outputs.finish(request)
-    return logits_at
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
