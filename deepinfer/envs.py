@@ -62,6 +62,45 @@ ENV_VARS: dict[str, EnvVar] = {
             "thresholds raised (GLIBC_TUNABLES), which removes page-fault storms on large temporaries.",
         ),
         EnvVar(
+            "DEEPINFER_CONFORMANCE_DTYPES",
+            "float32,bfloat16",
+            str.strip,
+            "Conformance suite: comma-separated dtypes to test (float32, bfloat16, float16).",
+        ),
+        EnvVar(
+            "DEEPINFER_CONFORMANCE_FULL",
+            "0",
+            _bool,
+            "Conformance suite: use DeepSeek-V3's real hidden (7168) and expert (2048) sizes in the MoE "
+            "cases (device runners); otherwise they are reduced to fit a small CPU host.",
+        ),
+        EnvVar(
+            "DEEPINFER_CONFORMANCE_BACKEND",
+            None,
+            str.strip,
+            "Conformance suite: test this op-backend module (e.g. deepinfer.ops_cuda) instead of the "
+            "active platform's, on DEEPINFER_CONFORMANCE_DEVICE. Used to run the Triton kernels under "
+            "TRITON_INTERPRET=1 and the Ascend ops against their emulation on a CPU host.",
+        ),
+        EnvVar(
+            "DEEPINFER_CONFORMANCE_DEVICE",
+            None,
+            str.strip,
+            "Conformance suite: torch device for DEEPINFER_CONFORMANCE_BACKEND (default: cpu).",
+        ),
+        EnvVar(
+            "DEEPINFER_TORCH_SPEC",
+            None,
+            str.strip,
+            "build.sh: pip requirement for torch (default torch==2.13.0 on cpu, torch>=2.6,<2.15 elsewhere).",
+        ),
+        EnvVar(
+            "DEEPINFER_TEST_ACCELERATOR",
+            "cpu",
+            str.strip,
+            "Test suite: the platform the tests pin DEEPINFER_ACCELERATOR to (vendor CI runners set it).",
+        ),
+        EnvVar(
             "DEEPINFER_NUM_THREADS",
             None,
             int,

@@ -10,4 +10,3 @@ from deepinfer.backends.testing.harness import Target, target_from_env
 @pytest.fixture(scope="session")
 def target() -> Target:
     return target_from_env()
-

@@ -6,13 +6,13 @@ as the backend under test. Errors are relative Frobenius norms ``||out - ref|| /
 
 from __future__ import annotations
 
-import os
 import zlib
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
+from deepinfer import envs
 from deepinfer.backends.registry import REFERENCE_BACKEND, OpTable, load_backend
 
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 2e-2}
@@ -58,7 +58,7 @@ def v3_moe() -> MoEShape:
     """DeepSeek-V3 routing (256 experts, top-8, 8 groups, top-4 groups). Hidden/intermediate are the
     real 7168/2048 with DEEPINFER_CONFORMANCE_FULL=1 (device runners), reduced otherwise so the case
     fits a small CPU host."""
-    full = os.environ.get("DEEPINFER_CONFORMANCE_FULL", "0") == "1"
+    full = envs.get("DEEPINFER_CONFORMANCE_FULL")
     return MoEShape(
         "deepseek_v3",
         experts=256,
@@ -75,25 +75,24 @@ def reference_ops() -> OpTable:
 
 
 def target_from_env() -> Target:
-    """The backend of the platform named by DEEPINFER_ACCELERATOR, on its device.
-
-    ``DEEPINFER_CONFORMANCE_DTYPES`` (comma-separated: float32, bfloat16, float16) picks the dtypes;
-    the default is float32 and bfloat16.
-    """
-    from deepinfer.platform.registry import resolve_platform
-
-    platform = resolve_platform()
-    names = os.environ.get("DEEPINFER_CONFORMANCE_DTYPES", "float32,bfloat16").split(",")
-    unknown = [n for n in names if n.strip() not in DTYPE_NAMES]
+    """The backend under test: the op backend of the platform named by DEEPINFER_ACCELERATOR, on its
+    device; or, with DEEPINFER_CONFORMANCE_BACKEND, that backend module on
+    DEEPINFER_CONFORMANCE_DEVICE (default cpu). DEEPINFER_CONFORMANCE_DTYPES picks the dtypes."""
+    names = [n.strip() for n in envs.get("DEEPINFER_CONFORMANCE_DTYPES").split(",")]
+    unknown = [n for n in names if n not in DTYPE_NAMES]
     if unknown:
         raise ValueError(
             f"DEEPINFER_CONFORMANCE_DTYPES: unknown {unknown}; choose from {sorted(DTYPE_NAMES)}"
         )
-    return Target(
-        ops=load_backend(platform.op_backend),
-        device=platform.device(),
-        dtypes=tuple(DTYPE_NAMES[n.strip()] for n in names),
-    )
+    dtypes = tuple(DTYPE_NAMES[n] for n in names)
+    module = envs.get("DEEPINFER_CONFORMANCE_BACKEND")
+    if module:
+        device = torch.device(envs.get("DEEPINFER_CONFORMANCE_DEVICE") or "cpu")
+        return Target(ops=load_backend(module), device=device, dtypes=dtypes)
+    from deepinfer.platform.registry import resolve_platform
+
+    platform = resolve_platform()
+    return Target(ops=load_backend(platform.op_backend), device=platform.device(), dtypes=dtypes)
 
 
 def generator(case_id: str) -> torch.Generator:
