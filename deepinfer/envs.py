@@ -75,6 +75,13 @@ ENV_VARS: dict[str, EnvVar] = {
             "cases (device runners); otherwise they are reduced to fit a small CPU host.",
         ),
         EnvVar(
+            "DEEPINFER_CONFORMANCE_SHAPES",
+            "all",
+            str.strip,
+            "Conformance suite: 'all' (small and DeepSeek-V3 shapes) or 'small' (for slow targets such as "
+            "the Triton interpreter).",
+        ),
+        EnvVar(
             "DEEPINFER_CONFORMANCE_BACKEND",
             None,
             str.strip,
