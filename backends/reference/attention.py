@@ -76,10 +76,11 @@ def mla_decode(
     span = int(seq_lens.max())
     key_pos = torch.arange(span, device=device)
     blocks = block_table.long()[:, key_pos // block_size]
-    valid_key = key_pos[None, :] < seq_lens[:, None]
-    slots = torch.where(valid_key, blocks * block_size + key_pos % block_size, 0)
+    slots = blocks * block_size + key_pos % block_size
+    # Positions past a request's length may hold garbage (even NaN): read its first row there instead,
+    # so that the masked-out products stay finite.
+    slots = torch.where(key_pos[None, :] < seq_lens[:, None], slots, slots[:, :1])
     keys = cache.view(-1, width)[slots].float()
-    keys.masked_fill_(~valid_key[:, :, None], 0.0)  # padding rows may hold garbage (even NaN)
 
     # Place queries in a padded [B, Qmax, H, L + R] batch.
     query_lens = (query_start_loc[1:] - query_start_loc[:-1]).long()
