@@ -72,15 +72,15 @@ def mla_decode(
     device = q_nope.device
     seq_lens = seq_lens.long()
 
-    # Gather every request's cached rows into a padded [B, S, L + R] batch.
-    span = int(seq_lens.max())
+    # Gather every request's blocks into a padded [B, S, L + R] batch (whole blocks: fast copies).
+    num_blocks = -(-int(seq_lens.max()) // block_size)
+    span = num_blocks * block_size
     key_pos = torch.arange(span, device=device)
-    blocks = block_table.long()[:, key_pos // block_size]
-    slots = blocks * block_size + key_pos % block_size
-    # Positions past a request's length may hold garbage (even NaN): read its first row there instead,
-    # so that the masked-out products stay finite.
-    slots = torch.where(key_pos[None, :] < seq_lens[:, None], slots, slots[:, :1])
-    keys = cache.view(-1, width)[slots].float()
+    keys = cache[block_table[:, :num_blocks].long()].view(num_reqs, span, width).float()
+    # Rows past a request's length may hold garbage (even NaN): zero them so masked products stay finite.
+    stale_req, stale_pos = (key_pos[None, :] >= seq_lens[:, None]).nonzero(as_tuple=True)
+    if stale_req.numel():
+        keys[stale_req, stale_pos] = 0.0
 
     # Place queries in a padded [B, Qmax, H, L + R] batch.
     query_lens = (query_start_loc[1:] - query_start_loc[:-1]).long()
