@@ -32,3 +32,12 @@ class EngineConfig(BaseModel):
         None, ge=1, description="exact number of KV blocks (overrides the size)"
     )
     seed: int = Field(0, description="seeds requests that carry no seed of their own")
+    step_time_budget_ms: float | None = Field(
+        None,
+        gt=0,
+        description="cut prompt chunks so each step's predicted time fits; None: fixed-size chunks",
+    )
+    cost_model: Literal["calibrate", "chip"] = Field(
+        "calibrate",
+        description="step cost model: measured on the model at startup (cached) or from chip facts",
+    )

@@ -62,6 +62,12 @@ ENV_VARS: dict[str, EnvVar] = {
             "thresholds raised (GLIBC_TUNABLES), which removes page-fault storms on large temporaries.",
         ),
         EnvVar(
+            "DEEPINFER_CACHE_DIR",
+            "~/.cache/deepinfer",
+            str.strip,
+            "Where deepinfer keeps files it can recompute (calibrated step cost models).",
+        ),
+        EnvVar(
             "DEEPINFER_CONFORMANCE_DTYPES",
             "float32,bfloat16",
             str.strip,

@@ -21,6 +21,7 @@ from deepinfer import envs
 from deepinfer.backends import ops
 from deepinfer.backends.registry import activate
 from deepinfer.config import EngineConfig
+from deepinfer.engine.cost_model import StepCostModel
 from deepinfer.engine.kv_cache_manager import KVCacheManager
 from deepinfer.engine.output_processor import OutputProcessor
 from deepinfer.engine.request import Request, RequestStatus
@@ -32,6 +33,7 @@ from deepinfer.platform.interface import Platform
 from deepinfer.platform.registry import resolve_platform, set_current_platform
 from deepinfer.sampling_params import SamplingParams
 from deepinfer.tokenizer import Tokenizer
+from deepinfer.worker import calibration
 from deepinfer.worker.model_runner import ModelRunner
 
 logger = get_logger(__name__)
@@ -80,6 +82,15 @@ class LLMEngine:
             self.cache_spec.allocate(num_blocks, self.device) for _ in range(self.model.num_cache_layers)
         ]
         self.kv_cache = KVCacheManager(num_blocks, self.cache_spec.block_size, config.enable_prefix_caching)
+        self.runner = ModelRunner(
+            self.model,
+            self.kv_caches,
+            self.cache_spec.block_size,
+            self.device,
+            self.eos_token_ids,
+            self.platform.synchronize,
+        )
+        self.cost_model = self._cost_model() if config.step_time_budget_ms else None
         budget = config.max_num_batched_tokens
         self.scheduler = Scheduler(
             SchedulerConfig(
@@ -87,11 +98,10 @@ class LLMEngine:
                 max_num_batched_tokens=budget,
                 max_model_len=self.max_model_len,
                 long_prefill_token_threshold=config.long_prefill_token_threshold or budget,
+                step_time_budget_s=config.step_time_budget_ms / 1e3 if config.step_time_budget_ms else None,
             ),
             self.kv_cache,
-        )
-        self.runner = ModelRunner(
-            self.model, self.kv_caches, self.cache_spec.block_size, self.device, self.eos_token_ids
+            self.cost_model,
         )
         self.outputs = OutputProcessor(self.tokenizer)
         self._rng = random.Random(config.seed)
@@ -116,6 +126,23 @@ class LLMEngine:
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             ids.add(self.tokenizer.eos_token_id)
         return frozenset(ids)
+
+    def _cost_model(self) -> StepCostModel:
+        """The calibrated step cost model (measured once per platform/chip/model/dtype, then cached),
+        or the analytic one from the chip facts."""
+        if self.config.cost_model == "chip":
+            return StepCostModel.from_chip(self.platform.chip, self.model_config)
+        dtype = str(self.dtype).removeprefix("torch.")
+        path = calibration.cache_path(
+            self.platform.name, self.platform.chip.key, Path(self.config.model), dtype
+        )
+        if path.is_file():
+            return StepCostModel.load(path)
+        model = calibration.calibrate(
+            self.runner, self.kv_cache.pool, self.config.max_num_batched_tokens, self.max_model_len
+        )
+        model.save(path)
+        return model
 
     def _num_kv_blocks(self) -> int:
         if self.config.num_kv_blocks is not None:

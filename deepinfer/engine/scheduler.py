@@ -16,6 +16,7 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from deepinfer.engine.cost_model import StepCostModel
 from deepinfer.engine.kv_cache_manager import KVCacheManager
 from deepinfer.engine.request import Request, RequestStatus
 from deepinfer.engine.sched_output import ScheduledRequest, SchedulerOutput
@@ -27,6 +28,7 @@ class SchedulerConfig:
     max_num_batched_tokens: int
     max_model_len: int
     long_prefill_token_threshold: int  # largest chunk one request gets in one step
+    step_time_budget_s: float | None = None  # cut prompt chunks to this predicted step time (None: off)
 
     def __post_init__(self) -> None:
         for name in (
@@ -40,9 +42,14 @@ class SchedulerConfig:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager) -> None:
+    def __init__(
+        self, config: SchedulerConfig, kv_cache: KVCacheManager, cost_model: StepCostModel | None = None
+    ) -> None:
+        if config.step_time_budget_s is not None and cost_model is None:
+            raise ValueError("a step time budget needs a cost model")
         self.config = config
         self.kv = kv_cache
+        self.cost_model = cost_model
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -81,15 +88,19 @@ class Scheduler:
 
     # ------------------------------------------------------------------ scheduling
     def schedule(self) -> SchedulerOutput:
-        budget = self.config.max_num_batched_tokens
-        chunk = self.config.long_prefill_token_threshold
+        step = _StepBudget(self.config, self.cost_model)
         picked: list[tuple[Request, int]] = []
         preempted: list[str] = []
 
         index = 0
-        while index < len(self.running) and budget > 0:
+        while index < len(self.running) and step.tokens > 0:
             request = self.running[index]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget, chunk)
+            num_new = step.chunk(
+                request.num_tokens - request.num_computed_tokens, request.num_computed_tokens
+            )
+            if num_new == 0:
+                index += 1  # a prompt chunk that does not fit the time left; decodes behind it still run
+                continue
             while not self.kv.allocate(request, num_new):
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -98,16 +109,16 @@ class Scheduler:
                     break
             else:
                 picked.append((request, num_new))
-                budget -= num_new
+                step.take(num_new, request.num_computed_tokens)
                 index += 1
 
         if not preempted:
-            while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            while self.waiting and step.tokens > 0 and len(self.running) < self.config.max_num_seqs:
                 request = self.waiting[0]
                 cached = self.kv.find_cached_prefix(request)
                 num_cached = len(cached) * self.kv.block_size
-                num_new = min(request.num_tokens - num_cached, budget, chunk)
-                if not self.kv.allocate(request, num_new, cached):
+                num_new = step.chunk(request.num_tokens - num_cached, num_cached)
+                if num_new == 0 or not self.kv.allocate(request, num_new, cached):
                     break
                 self.waiting.popleft()
                 request.num_computed_tokens = num_cached
@@ -116,7 +127,7 @@ class Scheduler:
                 request.status = RequestStatus.RUNNING
                 self.running.append(request)
                 picked.append((request, num_new))
-                budget -= num_new
+                step.take(num_new, num_cached)
 
         scheduled = []
         for request, num_new in picked:
@@ -171,3 +182,35 @@ class Scheduler:
     def _stop_running(self, request: Request, status: RequestStatus, reason: int | None) -> None:
         self.running.remove(request)
         self._finish(request, status, reason)
+
+
+class _StepBudget:
+    """What is left of one step: tokens, and (with a time budget) predicted seconds.
+
+    A request one token behind (a decode) always gets its token: decodes must progress. A prompt
+    chunk gets as many tokens as fit the token budget, the per-request chunk cap and, with a time
+    budget, the predicted time left; when nothing fits and the step is still empty it gets one block's
+    worth, so a long prompt always progresses.
+    """
+
+    MIN_CHUNK = 16
+
+    def __init__(self, config: SchedulerConfig, cost_model: StepCostModel | None) -> None:
+        self.tokens = config.max_num_batched_tokens
+        self.cap = config.long_prefill_token_threshold
+        self.cost = cost_model if config.step_time_budget_s is not None else None
+        self.seconds = (config.step_time_budget_s or 0.0) - (self.cost.overhead_s if self.cost else 0.0)
+        self.empty = True
+
+    def chunk(self, remaining: int, num_cached: int) -> int:
+        limit = min(remaining, self.tokens, self.cap)
+        if self.cost is None or remaining == 1:
+            return limit
+        fits = self.cost.largest_chunk(num_cached, self.seconds, limit)
+        return fits if fits > 0 or not self.empty else min(limit, self.MIN_CHUNK)
+
+    def take(self, num_new: int, num_cached: int) -> None:
+        self.tokens -= num_new
+        self.empty = False
+        if self.cost is not None:
+            self.seconds -= self.cost.marginal(num_new, num_cached)

@@ -8,7 +8,7 @@ requests first (few new tokens: absorbed attention over the paged cache), then p
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -48,6 +48,7 @@ class ModelRunner:
         block_size: int,
         device: torch.device,
         eos_token_ids: frozenset[int],
+        synchronize: Callable[[], None],
         decode_query_len: int = 1,
     ) -> None:
         self.model = model
@@ -56,6 +57,7 @@ class ModelRunner:
         self.device = device
         self.eos_token_ids = eos_token_ids
         self.decode_query_len = decode_query_len
+        self.synchronize = synchronize  # the platform's: waits for queued device work (timing)
 
     # ------------------------------------------------------------------ inputs
     def prepare(self, requests: Sequence[ScheduledRequest]) -> StepInputs:

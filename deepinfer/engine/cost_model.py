@@ -1,0 +1,115 @@
+"""Predicted time of an engine step, from its tokens and its attention work.
+
+A step computes, for each request, ``n`` new tokens on top of ``c`` cached ones. Its time is modelled as
+
+    t = overhead + per_request * requests + per_token * sum(n) + per_attention * sum(n * c + n * (n + 1) / 2)
+
+the linear layers cost in proportion to tokens, attention in proportion to (query token, key token)
+pairs. Coefficients come from a short calibration on the real model at startup (least squares over a
+few synthetic steps), or from the chip's facts table when calibration is off. The scheduler uses the
+model to cut prompt chunks to a time budget instead of a fixed size.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+from deepinfer.model.config import ModelConfig
+from deepinfer.platform.chips import ChipFacts
+
+Work = tuple[int, int]  # (new tokens, cached tokens) of one request in a step
+
+
+def attention_pairs(num_new: int, num_cached: int) -> float:
+    """(query, key) pairs a causal chunk of ``num_new`` tokens after ``num_cached`` ones attends."""
+    return num_new * num_cached + num_new * (num_new + 1) / 2
+
+
+@dataclass(frozen=True, slots=True)
+class StepCostModel:
+    overhead_s: float
+    per_request_s: float
+    per_token_s: float
+    per_attention_s: float
+    source: str  # "calibrated" or "chip facts"
+
+    def predict(self, work: Sequence[Work]) -> float:
+        """Seconds for a step computing ``work`` (one (new, cached) pair per request)."""
+        return (
+            self.overhead_s
+            + self.per_request_s * len(work)
+            + self.per_token_s * sum(n for n, _ in work)
+            + self.per_attention_s * sum(attention_pairs(n, c) for n, c in work)
+        )
+
+    def marginal(self, num_new: int, num_cached: int) -> float:
+        """Seconds one more request of ``num_new`` tokens after ``num_cached`` adds to a step."""
+        return (
+            self.per_request_s
+            + self.per_token_s * num_new
+            + self.per_attention_s * attention_pairs(num_new, num_cached)
+        )
+
+    def largest_chunk(self, num_cached: int, seconds: float, limit: int) -> int:
+        """The most new tokens (<= limit) one request can add after ``num_cached`` within ``seconds``."""
+        budget = seconds - self.per_request_s
+        if budget <= 0:
+            return 0
+        # per_attention/2 * n^2 + (per_token + per_attention * (c + 1/2)) * n - budget <= 0
+        a = self.per_attention_s / 2
+        b = self.per_token_s + self.per_attention_s * (num_cached + 0.5)
+        n = budget / b if a == 0 else (-b + math.sqrt(b * b + 4 * a * budget)) / (2 * a)
+        return max(0, min(limit, int(n)))
+
+    @classmethod
+    def fit(cls, samples: Sequence[tuple[Sequence[Work], float]]) -> StepCostModel:
+        """Least-squares fit (coefficients clamped at zero) to measured (work, seconds) samples."""
+        rows = [
+            [1.0, len(w), sum(n for n, _ in w), sum(attention_pairs(n, c) for n, c in w)] for w, _ in samples
+        ]
+        x, y = np.array(rows), np.array([t for _, t in samples])
+        coef = _nonnegative_least_squares(x, y)
+        return cls(*(float(v) for v in coef), source="calibrated")
+
+    @classmethod
+    def from_chip(cls, chip: ChipFacts, config: ModelConfig, efficiency: float = 0.4) -> StepCostModel:
+        """An analytic model: 2 FLOPs per active parameter per token, MLA's attention FLOPs per pair,
+        both at ``efficiency`` of the chip's dense bf16 rate."""
+        flops_per_s = chip.bf16_tflops * 1e12 * efficiency
+        d, h = config.hidden_size, config.num_attention_heads
+        experts = config.num_experts_per_tok + config.n_shared_experts if config.n_routed_experts else 0
+        mlp = 3 * d * (config.moe_intermediate_size * experts if experts else config.intermediate_size)
+        attn_proj = d * (config.q_lora_rank or 0) + h * config.qk_head_dim * (config.q_lora_rank or d)
+        attn_proj += d * (config.kv_lora_rank + config.qk_rope_head_dim) + h * config.v_head_dim * d
+        per_token = 2 * config.num_hidden_layers * (mlp + attn_proj) + 2 * d * config.vocab_size
+        per_pair = 2 * config.num_hidden_layers * h * (2 * config.kv_lora_rank + config.qk_rope_head_dim)
+        return cls(1e-3, 1e-5, per_token / flops_per_s, per_pair / flops_per_s, source="chip facts")
+
+    # ------------------------------------------------------------------ persistence
+    def save(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(asdict(self), indent=2))
+        tmp.replace(path)
+
+    @classmethod
+    def load(cls, path: Path) -> StepCostModel:
+        return cls(**json.loads(path.read_text()))
+
+
+def _nonnegative_least_squares(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """Least squares with coefficients >= 0 (drop the most negative column and refit)."""
+    active = list(range(x.shape[1]))
+    while True:
+        coef, *_ = np.linalg.lstsq(x[:, active], y, rcond=None)
+        if (coef >= 0).all() or len(active) == 1:
+            full = np.zeros(x.shape[1])
+            full[active] = np.maximum(coef, 0)
+            return full
+        del active[int(np.argmin(coef))]

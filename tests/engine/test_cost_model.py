@@ -1,0 +1,114 @@
+"""The step cost model and the time-budget chunking it drives."""
+
+from __future__ import annotations
+
+import pytest
+
+from deepinfer.engine.cost_model import StepCostModel, attention_pairs
+from deepinfer.engine.kv_cache_manager import KVCacheManager
+from deepinfer.engine.request import Request
+from deepinfer.engine.scheduler import Scheduler, SchedulerConfig
+from deepinfer.model.config import ModelConfig
+from deepinfer.platform.chips import CHIPS
+from deepinfer.sampling_params import SamplingParams
+
+MODEL = StepCostModel(
+    overhead_s=2e-3, per_request_s=1e-5, per_token_s=1e-4, per_attention_s=1e-7, source="test"
+)
+
+
+def test_longer_contexts_and_chunks_cost_more() -> None:
+    assert MODEL.predict([(64, 4096)]) > MODEL.predict([(64, 1024)]) > MODEL.predict([(64, 0)])
+    assert MODEL.predict([(128, 0)]) > MODEL.predict([(64, 0)])
+    assert MODEL.predict([(1, 100)] * 16) > MODEL.predict([(1, 100)] * 8)
+    assert attention_pairs(3, 2) == 3 * 2 + 6
+
+
+@pytest.mark.parametrize("cached", [0, 100, 5000])
+def test_largest_chunk_is_the_largest_that_fits(cached: int) -> None:
+    seconds = 0.02
+    n = MODEL.largest_chunk(cached, seconds, limit=100_000)
+    assert MODEL.marginal(n, cached) <= seconds < MODEL.marginal(n + 1, cached)
+    assert MODEL.largest_chunk(cached, seconds, limit=7) == min(7, n)
+    assert MODEL.largest_chunk(cached, 0.0, limit=100) == 0
+
+
+def test_fit_recovers_known_coefficients() -> None:
+    shapes = [[(n, c)] for n in (16, 64, 256) for c in (0, 512, 2048)] + [
+        [(1, c)] * b for b in (1, 8, 32) for c in (128, 1024)
+    ]
+    fitted = StepCostModel.fit([(w, MODEL.predict(w)) for w in shapes])
+    for field in ("overhead_s", "per_token_s", "per_attention_s"):
+        assert getattr(fitted, field) == pytest.approx(getattr(MODEL, field), rel=1e-3)
+    assert fitted.source == "calibrated"
+
+
+def test_chip_model_orders_chips_by_speed() -> None:
+    config = ModelConfig.from_dict(dict(
+        model_type="deepseek_v3", vocab_size=129280, hidden_size=7168, intermediate_size=18432, num_hidden_layers=61,
+        num_attention_heads=128, q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
+        v_head_dim=128, max_position_embeddings=163840, n_routed_experts=256, n_shared_experts=1,
+        moe_intermediate_size=2048, num_experts_per_tok=8, first_k_dense_replace=3, n_group=8, topk_group=4,
+    ))  # fmt: skip
+    h200, a100 = (
+        StepCostModel.from_chip(CHIPS["sm90"], config),
+        StepCostModel.from_chip(CHIPS["sm80"], config),
+    )
+    assert a100.predict([(4096, 0)]) > h200.predict([(4096, 0)]) > 0
+
+
+def scheduler(budget_s: float | None, tokens: int = 8192) -> Scheduler:
+    config = SchedulerConfig(64, tokens, 32768, tokens, step_time_budget_s=budget_s)
+    return Scheduler(config, KVCacheManager(4096, 16, False), MODEL)
+
+
+def req(rid: str, n: int) -> Request:
+    return Request(rid, [7] * n, SamplingParams(max_tokens=64, ignore_eos=True), 0, 64, frozenset(), 0.0)
+
+
+def run_decodes(s: Scheduler, count: int) -> None:
+    for i in range(count):
+        s.add_request(req(f"d{i}", 100))
+    while any(r.num_output_tokens == 0 for r in s.requests.values()):
+        out = s.schedule()
+        s.update_from_output(out, {r.request_id: 5 for r in out.requests if r.samples})
+
+
+def test_time_budget_cuts_a_long_prompt_beside_running_decodes() -> None:
+    s = scheduler(budget_s=0.05)
+    run_decodes(s, 16)
+    s.add_request(req("long", 8192))
+    out = s.schedule()
+    sizes = {r.request_id: r.num_new_tokens for r in out.requests}
+    assert all(sizes[f"d{i}"] == 1 for i in range(16))
+    work = [(r.num_new_tokens, r.num_computed_tokens) for r in out.requests]
+    assert 0 < sizes["long"] < 8192
+    assert MODEL.predict(work) <= 0.05 < MODEL.predict([*work[:-1], (sizes["long"] + 1, 0)])
+
+
+def test_later_chunks_shrink_as_the_context_grows() -> None:
+    s = scheduler(budget_s=0.05)
+    s.add_request(req("long", 8192))
+    sizes = []
+    while s.has_unfinished() and len(sizes) < 40:
+        out = s.schedule()
+        sizes.append(out.requests[0].num_new_tokens)
+        s.update_from_output(out, {r.request_id: 5 for r in out.requests if r.samples})
+    assert sizes[0] > sizes[5] > sizes[20]
+
+
+def test_without_a_budget_chunks_are_fixed_size() -> None:
+    s = Scheduler(SchedulerConfig(64, 512, 32768, 512), KVCacheManager(4096, 16, False))
+    s.add_request(req("long", 2000))
+    assert [s.schedule().requests[0].num_new_tokens for _ in range(4)] == [512, 512, 512, 464]
+
+
+def test_a_prompt_always_progresses_even_when_nothing_fits() -> None:
+    s = scheduler(budget_s=1e-4)  # below the step overhead
+    s.add_request(req("p", 500))
+    assert s.schedule().requests[0].num_new_tokens == 16
+
+
+def test_budget_requires_a_cost_model() -> None:
+    with pytest.raises(ValueError, match="needs a cost model"):
+        Scheduler(SchedulerConfig(8, 64, 512, 64, step_time_budget_s=0.01), KVCacheManager(64, 16, False))
