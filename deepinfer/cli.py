@@ -11,6 +11,7 @@ import os
 import sys
 import time
 from collections.abc import Sequence
+from pathlib import Path
 
 from deepinfer import __version__, envs
 
@@ -136,14 +137,108 @@ def _report(out, prompt: str, args: argparse.Namespace, shown: int) -> None:
     )
 
 
+def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="bench", required=True)
+    for name, text in (
+        ("offline", "throughput of a seeded workload submitted at once"),
+        ("peer", "deepinfer and a peer engine on the same model and prompts, alternating"),
+        ("pareto", "per-user vs per-chip tokens/s over a range of concurrency levels"),
+    ):
+        p = sub.add_parser(name, help=text)
+        p.add_argument("--model", help="model folder (default: the bundled deepinfer-tiny-coder)")
+        p.add_argument("--num-requests", type=int, default=64)
+        p.add_argument("--input-len-range", type=int, nargs=2, default=[64, 1024], metavar=("MIN", "MAX"))
+        p.add_argument("--output-len", type=int, default=128)
+        p.add_argument("--seed", type=int, default=0)
+        p.add_argument("--max-num-seqs", type=int, default=256)
+        p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+        p.add_argument("--step-time-budget-ms", type=float, default=None)
+        p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+        p.add_argument("--out", help="also write the JSON result to this path")
+        if name == "offline":
+            p.add_argument("--json", action="store_true", help="print one JSON object")
+        if name == "peer":
+            p.add_argument("--peer", default="transformers", help="transformers")
+            p.add_argument(
+                "--peer-python", default=sys.executable, help="interpreter of the peer's environment"
+            )
+            p.add_argument("--reps", type=int, default=3)
+        if name == "pareto":
+            p.add_argument("--levels", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64])
+
+
+def bench(args: argparse.Namespace) -> int:
+    import torch
+
+    from deepinfer.bench.workload import Workload
+    from deepinfer.model_zoo import default_model_path
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    model = str(args.model or default_model_path())
+    workload = Workload(args.num_requests, tuple(args.input_len_range), args.output_len, args.seed)
+    options = {
+        "max_num_seqs": args.max_num_seqs,
+        "max_num_batched_tokens": args.max_num_batched_tokens,
+        "step_time_budget_ms": args.step_time_budget_ms,
+    }
+    if args.bench == "peer":
+        from deepinfer.bench.peer import compare
+
+        result = compare(
+            model, workload, args.peer, args.peer_python, args.reps, torch.get_num_threads(), options
+        )
+        summary = (
+            f"deepinfer {result['deepinfer']['output_tokens_per_s']:.0f} tok/s vs {args.peer} "
+            f"{result[args.peer]['output_tokens_per_s']:.0f} tok/s: ratio {result['throughput_ratio']:.2f}"
+        )
+    else:
+        from deepinfer.llm import LLM
+
+        llm = LLM(model, **options)
+        if args.bench == "offline":
+            from deepinfer.bench.offline import run_offline
+
+            result = run_offline(llm, workload)
+            result.pop("output_token_ids")
+            summary = (
+                f"{result['requests']} requests, {result['output_tokens']} output tokens in {result['wall_s']:.2f} s: "
+                f"{result['output_tokens_per_s']:.0f} tok/s, mean TTFT {result['mean_ttft_s'] * 1000:.0f} ms, "
+                f"p99 step {result['p99_step_s'] * 1000:.1f} ms"
+            )
+        else:
+            from deepinfer.bench.pareto import sweep, write
+
+            result = sweep(llm, workload, args.levels)
+            if args.out:
+                write(result, Path(args.out))
+            summary = "\n".join(
+                f"concurrency {p['concurrency']:>3}: {p['per_user_tokens_per_s']:7.1f} tok/s/user "
+                f"{p['per_chip_tokens_per_s']:8.1f} tok/s/chip"
+                for p in result["points"]
+            )
+    if args.out and args.bench != "pareto":
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(result, indent=2))
+    print(json.dumps(result) if getattr(args, "json", False) else summary)
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="deepinfer", description="DeepSeek-family inference engine")
     parser.add_argument("--version", action="version", version=f"deepinfer {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     add_run_arguments(sub.add_parser("run", help="complete prompts with a model"))
+    add_bench_arguments(sub.add_parser("bench", help="benchmarks: offline, peer, pareto"))
     args = parser.parse_args(argv)
     reexec_with_malloc_tuning()
     if args.command == "run":
         return run(args)
+    if args.command == "bench":
+        return bench(args)
     parser.error(f"unknown command {args.command}")
     return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

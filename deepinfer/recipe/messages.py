@@ -59,9 +59,7 @@ class ToolMessage(_Frozen):
     tool_call_id: str | None = None
 
 
-Message = Annotated[
-    SystemMessage | UserMessage | AssistantMessage | ToolMessage, Field(discriminator="role")
-]
+Message = Annotated[SystemMessage | UserMessage | AssistantMessage | ToolMessage, Field(discriminator="role")]
 
 _MESSAGES: TypeAdapter[list[Message]] = TypeAdapter(list[Message])
 _TOOLS: TypeAdapter[list[ToolSpec]] = TypeAdapter(list[ToolSpec])

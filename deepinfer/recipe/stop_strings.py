@@ -23,18 +23,22 @@ class StopStringBuffer:
         self.text = ""
         self.released = 0
 
-    def _held_back(self) -> int:
-        """Length of the longest tail of the text that is a proper prefix of a stop string."""
-        text = self.text
-        for size in range(min(len(text), max(map(len, self.stop), default=1) - 1), 0, -1):
-            tail = text[-size:]
-            if any(s.startswith(tail) for s in self.stop):
-                return size
-        return 0
+    def _releasable(self) -> int:
+        """End of the text that can be shown: before the first complete stop string, else before the
+        longest tail that could still grow into one."""
+        text, start = self.text, self.released
+        found = [at for s in self.stop if (at := text.find(s, start)) >= 0]
+        if found:
+            return min(found)
+        longest = max(map(len, self.stop), default=1) - 1
+        for size in range(min(len(text) - start, longest), 0, -1):
+            if any(s.startswith(text[-size:]) for s in self.stop):
+                return len(text) - size
+        return len(text)
 
     def push(self, delta: str) -> str:
         self.text += delta
-        return self._release(len(self.text) - self._held_back())
+        return self._release(self._releasable())
 
     def finish(self, stop_reason: str | None = None) -> str:
         """End of the span. With ``stop_reason`` (the stop string that ended the request), the text
