@@ -37,6 +37,9 @@ class EngineConfig(BaseModel):
         gt=0,
         description="cut prompt chunks so each step's predicted time fits; None: fixed-size chunks",
     )
+    async_scheduling: bool = Field(
+        False, description="schedule step N+1 while step N computes (the scheduler runs one step ahead)"
+    )
     cost_model: Literal["calibrate", "chip"] = Field(
         "calibrate",
         description="step cost model: measured on the model at startup (cached) or from chip facts",

@@ -13,6 +13,7 @@ import itertools
 import json
 import random
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -25,6 +26,7 @@ from deepinfer.engine.cost_model import StepCostModel
 from deepinfer.engine.kv_cache_manager import KVCacheManager
 from deepinfer.engine.output_processor import OutputProcessor
 from deepinfer.engine.request import Request, RequestStatus
+from deepinfer.engine.sched_output import PLACEHOLDER, SchedulerOutput
 from deepinfer.engine.scheduler import Scheduler, SchedulerConfig
 from deepinfer.logger import get_logger
 from deepinfer.model.loader import load_model
@@ -34,7 +36,7 @@ from deepinfer.platform.registry import resolve_platform, set_current_platform
 from deepinfer.sampling_params import SamplingParams
 from deepinfer.tokenizer import Tokenizer
 from deepinfer.worker import calibration
-from deepinfer.worker.model_runner import ModelRunner
+from deepinfer.worker.model_runner import ModelRunner, RunnerOutput
 
 logger = get_logger(__name__)
 
@@ -107,6 +109,10 @@ class LLMEngine:
         self._rng = random.Random(config.seed)
         self._ids = itertools.count()
         self._children: dict[str, list[str]] = {}
+        self._executor = (
+            ThreadPoolExecutor(1, thread_name_prefix="deepinfer-step") if config.async_scheduling else None
+        )
+        self._inflight: tuple[SchedulerOutput, Future[RunnerOutput]] | None = None
         logger.info(
             "engine ready: %s on %s, %s, %d KV blocks of %d tokens (%d layers)",
             folder.name,
@@ -246,10 +252,48 @@ class LLMEngine:
     # ------------------------------------------------------------------ the step
     def step(self) -> list[RequestOutput]:
         """Run one step; returns the (cumulative) outputs of every request that progressed."""
+        if self.config.async_scheduling:
+            return self._step_async()
         scheduled = self.scheduler.schedule()
         if scheduled.is_empty:
             return []
-        result = self.runner.execute(scheduled)
+        return self._apply(scheduled, self.runner.execute(scheduled))
+
+    def _step_async(self) -> list[RequestOutput]:
+        """Asynchronous scheduling: step N+1 is scheduled while step N computes on the device.
+
+        Step N+1 is planned with placeholders for the tokens step N is sampling; once N's results are
+        applied, the placeholders are filled in and requests that finished meanwhile are dropped, and
+        N+1 starts. Outputs are those of the synchronous loop, one step later.
+        """
+        if self._inflight is None:
+            scheduled = self.scheduler.schedule()
+            if scheduled.is_empty:
+                return []
+            self._inflight = (scheduled, self._executor.submit(self.runner.execute, scheduled))
+        scheduled, future = self._inflight
+        ahead = self.scheduler.schedule()
+        outputs = self._apply(scheduled, future.result())
+        ahead = self._resolve_placeholders(ahead)
+        self._inflight = (
+            None if ahead.is_empty else (ahead, self._executor.submit(self.runner.execute, ahead))
+        )
+        return outputs
+
+    def _resolve_placeholders(self, ahead: SchedulerOutput) -> SchedulerOutput:
+        kept = []
+        for r in ahead.requests:
+            request = self.scheduler.requests.get(r.request_id)
+            if request is None or request.status is not RequestStatus.RUNNING:
+                continue  # finished (or preempted) after it was scheduled ahead
+            for i, token in enumerate(r.token_ids):
+                if token == PLACEHOLDER:
+                    r.token_ids[i] = request.all_token_ids[r.num_computed_tokens + i]
+            kept.append(r)
+        ahead.requests = kept
+        return ahead
+
+    def _apply(self, scheduled: SchedulerOutput, result: RunnerOutput) -> list[RequestOutput]:
         for rid, entries in result.prompt_logprobs.items():
             self.outputs.record_prompt_logprobs(rid, entries)
         updated = self.scheduler.update_from_output(scheduled, result.sampled)

@@ -43,6 +43,9 @@ class Request:
     all_token_ids: list[int] = field(default_factory=list)
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
+    num_pending_tokens: int = (
+        0  # tokens sampled by a step still in flight (async scheduling), not yet appended
+    )
     num_cached_tokens: int = -1  # prefix-cache hits at first scheduling; -1 before
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: int | str | None = None
@@ -60,6 +63,11 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.all_token_ids)
+
+    @property
+    def num_tokens_with_pending(self) -> int:
+        """Tokens the scheduler plans with: known tokens plus those a step in flight will sample."""
+        return len(self.all_token_ids) + self.num_pending_tokens
 
     @property
     def num_output_tokens(self) -> int:

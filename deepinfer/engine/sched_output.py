@@ -11,11 +11,13 @@ from dataclasses import dataclass, field
 
 from deepinfer.sampling_params import SamplingParams
 
+PLACEHOLDER = -1  # a token id a step in flight will sample; the engine fills it in before execution
+
 
 @dataclass(slots=True)
 class ScheduledRequest:
     request_id: str
-    token_ids: list[int]  # the tokens whose KV this step computes
+    token_ids: list[int]  # the tokens whose KV this step computes (PLACEHOLDER until known, async only)
     num_computed_tokens: int  # tokens already in the cache before this step
     block_ids: list[int]  # every block of the request, in order
     samples: bool  # True when this step reaches the request's last token, so a token is sampled

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from deepinfer.engine.cost_model import StepCostModel
 from deepinfer.engine.kv_cache_manager import KVCacheManager
 from deepinfer.engine.request import Request, RequestStatus
-from deepinfer.engine.sched_output import ScheduledRequest, SchedulerOutput
+from deepinfer.engine.sched_output import PLACEHOLDER, ScheduledRequest, SchedulerOutput
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,8 +95,11 @@ class Scheduler:
         index = 0
         while index < len(self.running) and step.tokens > 0:
             request = self.running[index]
+            if request.num_output_tokens + request.num_pending_tokens >= request.max_tokens:
+                index += 1  # its last token is still in flight (async scheduling)
+                continue
             num_new = step.chunk(
-                request.num_tokens - request.num_computed_tokens, request.num_computed_tokens
+                request.num_tokens_with_pending - request.num_computed_tokens, request.num_computed_tokens
             )
             if num_new == 0:
                 index += 1  # a prompt chunk that does not fit the time left; decodes behind it still run
@@ -132,13 +135,16 @@ class Scheduler:
         scheduled = []
         for request, num_new in picked:
             start = request.num_computed_tokens
+            token_ids = request.all_token_ids[start : start + num_new]
+            token_ids += [PLACEHOLDER] * (num_new - len(token_ids))
+            samples = start + num_new == request.num_tokens_with_pending
             scheduled.append(
                 ScheduledRequest(
                     request_id=request.request_id,
-                    token_ids=request.all_token_ids[start : start + num_new],
+                    token_ids=token_ids,
                     num_computed_tokens=start,
                     block_ids=self.kv.block_ids(request.request_id),
-                    samples=start + num_new == request.num_tokens,
+                    samples=samples,
                     sampling_params=request.sampling_params,
                     seed=request.seed,
                     num_prompt_tokens=request.num_prompt_tokens,
@@ -147,12 +153,14 @@ class Scheduler:
                 )
             )
             request.num_computed_tokens = start + num_new
+            request.num_pending_tokens += samples
         return SchedulerOutput(scheduled, preempted)
 
     def _preempt(self, request: Request) -> None:
         self.kv.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        request.num_pending_tokens = 0  # a token in flight is still appended when it arrives
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(request)
@@ -167,6 +175,7 @@ class Scheduler:
             request = self.requests.get(scheduled.request_id)
             if token is None or request is None:
                 continue
+            request.num_pending_tokens = max(0, request.num_pending_tokens - 1)
             request.append_output_token(token)
             updated.append(request)
             params = request.sampling_params
