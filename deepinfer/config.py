@@ -40,6 +40,15 @@ class EngineConfig(BaseModel):
     async_scheduling: bool = Field(
         False, description="schedule step N+1 while step N computes (the scheduler runs one step ahead)"
     )
+    speculative: Literal["mtp", "mtp-confidence"] | None = Field(
+        None, description="speculative decoding: MTP drafts, optionally gated by the model's confidence head"
+    )
+    num_draft_tokens: int | None = Field(
+        None, ge=1, le=16, description="drafts per request per step; None: the model's MTP layer count"
+    )
+    confidence_threshold: float | None = Field(
+        None, ge=0.0, le=1.0, description="mtp-confidence: verify drafts while predicted acceptance >= this"
+    )
     cost_model: Literal["calibrate", "chip"] = Field(
         "calibrate",
         description="step cost model: measured on the model at startup (cached) or from chip facts",

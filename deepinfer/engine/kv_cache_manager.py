@@ -68,14 +68,17 @@ class KVCacheManager:
         return hits
 
     # ------------------------------------------------------------------ allocation
-    def allocate(self, request: Request, num_new_tokens: int, cached: list[KVBlock] | None = None) -> bool:
+    def allocate(
+        self, request: Request, num_new_tokens: int, cached: list[KVBlock] | None = None, lookahead: int = 0
+    ) -> bool:
         """Make room for ``num_new_tokens`` more tokens of ``request`` (after its computed tokens and
-        the ``cached`` prefix blocks, which it then references). Returns False, changing nothing,
-        when there are not enough free blocks."""
+        the ``cached`` prefix blocks, which it then references), plus ``lookahead`` slots beyond them
+        (where speculative drafts are computed). Returns False, changing nothing, when there are not
+        enough free blocks."""
         cached = cached or []
         held = self._blocks.get(request.request_id, [])
         num_computed = request.num_computed_tokens + len(cached) * self.block_size
-        needed = -(-(num_computed + num_new_tokens) // self.block_size) - len(held) - len(cached)
+        needed = -(-(num_computed + num_new_tokens + lookahead) // self.block_size) - len(held) - len(cached)
         reclaimable = sum(1 for b in cached if b.ref_cnt == 0)
         if needed > self.pool.num_free_blocks - reclaimable:
             return False

@@ -28,6 +28,7 @@ from deepinfer.engine.output_processor import OutputProcessor
 from deepinfer.engine.request import Request, RequestStatus
 from deepinfer.engine.sched_output import PLACEHOLDER, SchedulerOutput
 from deepinfer.engine.scheduler import Scheduler, SchedulerConfig
+from deepinfer.engine.spec_stats import SpecDecodeStats
 from deepinfer.logger import get_logger
 from deepinfer.model.loader import load_model
 from deepinfer.outputs import RequestOutput
@@ -37,6 +38,7 @@ from deepinfer.sampling_params import SamplingParams
 from deepinfer.tokenizer import Tokenizer
 from deepinfer.worker import calibration
 from deepinfer.worker.model_runner import ModelRunner, RunnerOutput
+from deepinfer.worker.spec_decode import ConfidenceHead, MTPProposer
 
 logger = get_logger(__name__)
 
@@ -92,6 +94,8 @@ class LLMEngine:
             self.eos_token_ids,
             self.platform.synchronize,
         )
+        self.num_draft_tokens = self._setup_speculation()
+        self.spec_stats = SpecDecodeStats()
         self.cost_model = self._cost_model() if config.step_time_budget_ms else None
         budget = config.max_num_batched_tokens
         self.scheduler = Scheduler(
@@ -101,6 +105,7 @@ class LLMEngine:
                 max_model_len=self.max_model_len,
                 long_prefill_token_threshold=config.long_prefill_token_threshold or budget,
                 step_time_budget_s=config.step_time_budget_ms / 1e3 if config.step_time_budget_ms else None,
+                num_lookahead_tokens=self.num_draft_tokens,
             ),
             self.kv_cache,
             self.cost_model,
@@ -132,6 +137,26 @@ class LLMEngine:
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             ids.add(self.tokenizer.eos_token_id)
         return frozenset(ids)
+
+    def _setup_speculation(self) -> int:
+        """Attach the MTP drafter to the runner; returns the drafts per request per step (0: off)."""
+        config = self.config
+        if config.speculative is None:
+            if config.num_draft_tokens is not None or config.confidence_threshold is not None:
+                raise ValueError(
+                    "num_draft_tokens and confidence_threshold need speculative='mtp' or 'mtp-confidence'"
+                )
+            return 0
+        if config.async_scheduling:
+            raise ValueError("speculative decoding does not combine with async_scheduling yet; choose one")
+        k = config.num_draft_tokens or max(1, self.model_config.num_nextn_predict_layers)
+        confidence = None
+        if config.speculative == "mtp-confidence":
+            head, threshold = ConfidenceHead.load(Path(config.model))
+            confidence = (head.to(self.device), config.confidence_threshold or threshold)
+        self.runner.decode_query_len = 1 + k
+        self.runner.proposer = MTPProposer(self.model, self.kv_caches, self.runner.prepare, k, confidence)
+        return k
 
     def _cost_model(self) -> StepCostModel:
         """The calibrated step cost model (measured once per platform/chip/model/dtype, then cached),
@@ -296,10 +321,11 @@ class LLMEngine:
     def _apply(self, scheduled: SchedulerOutput, result: RunnerOutput) -> list[RequestOutput]:
         for rid, entries in result.prompt_logprobs.items():
             self.outputs.record_prompt_logprobs(rid, entries)
-        updated = self.scheduler.update_from_output(scheduled, result.sampled)
+        updated = self.scheduler.update_from_output(scheduled, result.sampled, result.drafts)
+        self.spec_stats.record(result)
         parents = []
         for request in updated:
-            stop = self.outputs.record_token(request, result.logprobs.get(request.request_id))
+            stop = self.outputs.record_tokens(request, result.logprobs.get(request.request_id))
             if stop is not None and not request.status.finished:
                 self.scheduler.finish_requests([request.request_id], RequestStatus.FINISHED_STOPPED, stop)
             if request.status.finished:

@@ -21,12 +21,13 @@ from deepinfer.worker.sampler import to_logprob_dict
 @dataclass(slots=True)
 class CompletionState:
     index: int
-    detokenizer: IncrementalDetokenizer
+    detokenizer: IncrementalDetokenizer | None
     token_ids: list[int]
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     logprobs: list[dict[int, Logprob]] | None = None
     cumulative_logprob: float | None = None
+    num_recorded: int = 0  # output tokens already detokenized
 
 
 @dataclass(slots=True)
@@ -93,33 +94,44 @@ class OutputProcessor:
         for position, entry in entries:
             state.prompt_logprobs[position] = to_logprob_dict(entry, self._decode_token)
 
-    def record_token(self, request: Request, logprobs: list[tuple[int, float, int]] | None) -> str | None:
-        """Account for the request's newest token. Returns the stop string it completed, if any
-        (the caller must then finish the request)."""
+    def record_tokens(
+        self, request: Request, logprobs: list[list[tuple[int, float, int]]] | None
+    ) -> str | None:
+        """Account for the request's tokens appended since the last call (several with speculative
+        decoding; ``logprobs`` has one entry list per token). Returns the stop string they completed,
+        if any: the text and the token ids are then cut there and the caller must finish the request."""
         state = self.states[self.parent_of[request.request_id]]
         completion = state.completions[state.children[request.request_id]]
         if state.metrics.first_token_time is None:
             state.metrics.first_token_time = time.monotonic()
             state.num_cached_tokens = max(request.num_cached_tokens, 0)
-        if logprobs is not None and completion.logprobs is not None:
-            completion.logprobs.append(to_logprob_dict(logprobs, self._decode_token))
-            completion.cumulative_logprob += logprobs[0][1]
+        new = request.output_token_ids[completion.num_recorded :]
+        for i, token in enumerate(new):
+            completion.num_recorded += 1
+            if logprobs is not None and completion.logprobs is not None:
+                completion.logprobs.append(to_logprob_dict(logprobs[i], self._decode_token))
+                completion.cumulative_logprob += logprobs[i][0][1]
+            stop = self._add_text(completion, state.params, token)
+            if stop is not None:
+                del request.output_token_ids[completion.num_recorded :]
+                del request.all_token_ids[request.num_prompt_tokens + completion.num_recorded :]
+                return stop
+        return None
+
+    @staticmethod
+    def _add_text(completion: CompletionState, params: SamplingParams, token: int) -> str | None:
         detok = completion.detokenizer
-        if detok is None or not state.params.stop:
-            if detok is not None:
-                detok.add(request.output_token_ids[-1])
+        if detok is None:
             return None
         before = len(detok.text)
-        delta = detok.add(request.output_token_ids[-1])
-        if not delta:
+        delta = detok.add(token)
+        if not delta or not params.stop:
             return None
-        longest = max(len(s) for s in state.params.stop)
-        search_from = max(0, before - longest + 1)
-        for stop in state.params.stop:
+        search_from = max(0, before - max(len(s) for s in params.stop) + 1)
+        for stop in params.stop:
             at = detok.text.find(stop, search_from)
             if at >= 0:
-                keep = at + len(stop) if state.params.include_stop_str_in_output else at
-                detok.text = detok.text[:keep]
+                detok.text = detok.text[: at + len(stop) if params.include_stop_str_in_output else at]
                 return stop
         return None
 

@@ -51,6 +51,7 @@ class Request:
     stop_reason: int | str | None = None
     num_preemptions: int = 0
     block_hashes: list[bytes] = field(default_factory=list)
+    spec_token_ids: list[int] = field(default_factory=list)  # drafts to verify in the next step
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:

@@ -26,6 +26,7 @@ class ScheduledRequest:
     num_prompt_tokens: int
     prompt_token_ids: list[int]  # read for repetition penalties and prompt logprobs
     output_token_ids: list[int]  # read for penalties; also the sampling offset (its length)
+    num_draft_tokens: int = 0  # the last this-many of token_ids are speculative drafts to verify
 
     @property
     def num_new_tokens(self) -> int:

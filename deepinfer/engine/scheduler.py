@@ -29,6 +29,7 @@ class SchedulerConfig:
     max_model_len: int
     long_prefill_token_threshold: int  # largest chunk one request gets in one step
     step_time_budget_s: float | None = None  # cut prompt chunks to this predicted step time (None: off)
+    num_lookahead_tokens: int = 0  # speculative decoding: draft tokens per request per step
 
     def __post_init__(self) -> None:
         for name in (
@@ -89,8 +90,9 @@ class Scheduler:
     # ------------------------------------------------------------------ scheduling
     def schedule(self) -> SchedulerOutput:
         step = _StepBudget(self.config, self.cost_model)
-        picked: list[tuple[Request, int]] = []
+        picked: list[tuple[Request, int, list[int]]] = []  # request, real tokens, drafts
         preempted: list[str] = []
+        lookahead = self.config.num_lookahead_tokens
 
         index = 0
         while index < len(self.running) and step.tokens > 0:
@@ -104,15 +106,16 @@ class Scheduler:
             if num_new == 0:
                 index += 1  # a prompt chunk that does not fit the time left; decodes behind it still run
                 continue
-            while not self.kv.allocate(request, num_new):
+            drafts = self._drafts(request, step.tokens - num_new) if num_new == 1 else []
+            while not self.kv.allocate(request, num_new + len(drafts), lookahead=lookahead):
                 victim = self.running.pop()
                 self._preempt(victim)
                 preempted.append(victim.request_id)
                 if victim is request:
                     break
             else:
-                picked.append((request, num_new))
-                step.take(num_new, request.num_computed_tokens)
+                picked.append((request, num_new, drafts))
+                step.take(num_new + len(drafts), request.num_computed_tokens)
                 index += 1
 
         if not preempted:
@@ -121,7 +124,7 @@ class Scheduler:
                 cached = self.kv.find_cached_prefix(request)
                 num_cached = len(cached) * self.kv.block_size
                 num_new = step.chunk(request.num_tokens - num_cached, num_cached)
-                if num_new == 0 or not self.kv.allocate(request, num_new, cached):
+                if num_new == 0 or not self.kv.allocate(request, num_new, cached, lookahead=lookahead):
                     break
                 self.waiting.popleft()
                 request.num_computed_tokens = num_cached
@@ -129,15 +132,16 @@ class Scheduler:
                     request.num_cached_tokens = num_cached
                 request.status = RequestStatus.RUNNING
                 self.running.append(request)
-                picked.append((request, num_new))
+                picked.append((request, num_new, []))
                 step.take(num_new, num_cached)
 
         scheduled = []
-        for request, num_new in picked:
+        for request, num_new, drafts in picked:
             start = request.num_computed_tokens
             token_ids = request.all_token_ids[start : start + num_new]
             token_ids += [PLACEHOLDER] * (num_new - len(token_ids))
             samples = start + num_new == request.num_tokens_with_pending
+            token_ids += drafts
             scheduled.append(
                 ScheduledRequest(
                     request_id=request.request_id,
@@ -150,43 +154,72 @@ class Scheduler:
                     num_prompt_tokens=request.num_prompt_tokens,
                     prompt_token_ids=request.prompt_token_ids,
                     output_token_ids=request.output_token_ids,
+                    num_draft_tokens=len(drafts),
                 )
             )
-            request.num_computed_tokens = start + num_new
+            request.num_computed_tokens = start + num_new + len(drafts)
             request.num_pending_tokens += samples
         return SchedulerOutput(scheduled, preempted)
+
+    def _drafts(self, request: Request, room: int) -> list[int]:
+        """The request's pending drafts that fit: the step's token budget, max_tokens (the step emits
+        up to drafts + 1 tokens) and the context length."""
+        limit = min(
+            room,
+            request.max_tokens - request.num_output_tokens - 1,
+            self.config.max_model_len - request.num_tokens,
+        )
+        return request.spec_token_ids[: max(0, limit)]
 
     def _preempt(self, request: Request) -> None:
         self.kv.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_pending_tokens = 0  # a token in flight is still appended when it arrives
+        request.spec_token_ids = []
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(request)
 
     # ------------------------------------------------------------------ results
-    def update_from_output(self, output: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
-        """Append each sampled token and apply the token-level stop rules (EOS, stop token ids,
-        max_tokens). Returns the requests that received a token (finished ones included)."""
+    def update_from_output(
+        self,
+        output: SchedulerOutput,
+        sampled: dict[str, list[int]],
+        drafts: dict[str, list[int]] | None = None,
+    ) -> list[Request]:
+        """Apply a step's results: roll back rejected drafts, append each emitted token with the
+        token-level stop rules (EOS, stop token ids, max_tokens; tokens after a stop are dropped), and
+        keep the next drafts. Returns the requests that received tokens (finished ones included)."""
         updated = []
         for scheduled in output.requests:
-            token = sampled.get(scheduled.request_id)
+            tokens = sampled.get(scheduled.request_id)
             request = self.requests.get(scheduled.request_id)
-            if token is None or request is None:
+            if tokens is None or request is None:
                 continue
             request.num_pending_tokens = max(0, request.num_pending_tokens - 1)
-            request.append_output_token(token)
+            request.num_computed_tokens -= scheduled.num_draft_tokens - (len(tokens) - 1)
             updated.append(request)
-            params = request.sampling_params
-            may_stop = request.num_output_tokens >= params.min_tokens
-            if may_stop and token in request.eos_token_ids and not params.ignore_eos:
-                self._stop_running(request, RequestStatus.FINISHED_STOPPED, None)
-            elif may_stop and token in params.stop_token_ids:
-                self._stop_running(request, RequestStatus.FINISHED_STOPPED, token)
-            elif request.num_output_tokens >= request.max_tokens:
-                self._stop_running(request, RequestStatus.FINISHED_LENGTH, None)
+            for token in tokens:
+                request.append_output_token(token)
+                if self._check_stop(request, token):
+                    break
+            else:
+                request.spec_token_ids = (drafts or {}).get(request.request_id, [])
         return updated
+
+    def _check_stop(self, request: Request, token: int) -> bool:
+        params = request.sampling_params
+        may_stop = request.num_output_tokens >= params.min_tokens
+        if may_stop and token in request.eos_token_ids and not params.ignore_eos:
+            self._stop_running(request, RequestStatus.FINISHED_STOPPED, None)
+        elif may_stop and token in params.stop_token_ids:
+            self._stop_running(request, RequestStatus.FINISHED_STOPPED, token)
+        elif request.num_output_tokens >= request.max_tokens:
+            self._stop_running(request, RequestStatus.FINISHED_LENGTH, None)
+        else:
+            return False
+        return True
 
     def _stop_running(self, request: Request, status: RequestStatus, reason: int | None) -> None:
         self.running.remove(request)

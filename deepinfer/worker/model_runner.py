@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -18,15 +19,25 @@ from torch import Tensor
 from deepinfer.engine.sched_output import ScheduledRequest, SchedulerOutput
 from deepinfer.model.attn_metadata import AttentionMetadata, DecodeMetadata, PrefillMetadata
 from deepinfer.model.deepseek_v3 import DeepseekV3ForCausalLM
-from deepinfer.worker.sampler import sample_rows, top_logprobs
+from deepinfer.worker.sampler import SamplingRow, sample_rows, top_logprobs
+
+if TYPE_CHECKING:
+    from deepinfer.worker.spec_decode import MTPProposer
 
 
 @dataclass(slots=True)
 class RunnerOutput:
-    sampled: dict[str, int] = field(default_factory=dict)
-    logprobs: dict[str, list[tuple[int, float, int]]] = field(default_factory=dict)
-    # request id -> [(prompt position, (token, logprob, rank) entries)] for prompt tokens in this chunk
+    # request id -> the tokens this step emits: accepted drafts, then one sampled token
+    sampled: dict[str, list[int]] = field(default_factory=dict)
+    # request id -> per emitted token, (token, logprob, rank) entries (sampled token first)
+    logprobs: dict[str, list[list[tuple[int, float, int]]]] = field(default_factory=dict)
+    # request id -> [(prompt position, entries)] for prompt tokens in this chunk
     prompt_logprobs: dict[str, list[tuple[int, list[tuple[int, float, int]]]]] = field(default_factory=dict)
+    # request id -> draft tokens to verify next step (speculative decoding)
+    drafts: dict[str, list[int]] = field(default_factory=dict)
+    num_proposed: int = 0  # draft tokens the drafter produced this step
+    num_verified: int = 0  # draft tokens checked against the target this step
+    num_accepted: int = 0  # of which accepted
 
 
 @dataclass(slots=True)
@@ -51,6 +62,8 @@ class ModelRunner:
         synchronize: Callable[[], None],
         decode_query_len: int = 1,
     ) -> None:
+        """``decode_query_len``: requests computing at most this many tokens (one plus their drafts)
+        take the absorbed decode path. ``proposer`` (set by the engine) drafts tokens after each step."""
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size
@@ -58,6 +71,7 @@ class ModelRunner:
         self.eos_token_ids = eos_token_ids
         self.decode_query_len = decode_query_len
         self.synchronize = synchronize  # the platform's: waits for queued device work (timing)
+        self.proposer: MTPProposer | None = None
 
     # ------------------------------------------------------------------ inputs
     def prepare(self, requests: Sequence[ScheduledRequest]) -> StepInputs:
@@ -125,25 +139,49 @@ class ModelRunner:
         inputs = self.prepare(scheduled.requests)
         hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta, self.kv_caches)
         out = RunnerOutput()
-
-        sampling = [(i, r) for i, r in enumerate(inputs.order) if r.samples]
-        if sampling:
-            last = [inputs.token_offsets[i] + r.num_new_tokens - 1 for i, r in sampling]
-            logits = self.model.compute_logits(hidden[torch.tensor(last, device=self.device)])
-            rows = [r for _, r in sampling]
-            result = sample_rows(logits, rows, self.eos_token_ids)
-            for r, token, lp in zip(rows, result.token_ids, result.logprobs):
-                out.sampled[r.request_id] = token
-                if lp is not None:
-                    out.logprobs[r.request_id] = lp
-
+        self._sample_and_verify(inputs, hidden, out)
         for i, r in enumerate(inputs.order):
             k = r.sampling_params.prompt_logprobs
             if k is not None and r.num_computed_tokens < r.num_prompt_tokens - 1:
                 out.prompt_logprobs[r.request_id] = self._prompt_logprobs(
                     hidden, inputs.token_offsets[i], r, k
                 )
+        if self.proposer is not None and out.sampled:
+            out.drafts, out.num_proposed = self.proposer.propose(inputs, hidden, out.sampled)
         return out
+
+    def _sample_and_verify(self, inputs: StepInputs, hidden: Tensor, out: RunnerOutput) -> None:
+        """Sample one token at each request's last real position and at each of its draft positions.
+
+        The token sampled at a position is exactly the one non-speculative decoding would sample there
+        (same seed, same offset, same history), so accepting drafts while they equal the sampled tokens
+        keeps the output identical, greedy or not; the first mismatch is the request's new token.
+        """
+        rows, row_index, spans = [], [], []
+        for i, r in enumerate(inputs.order):
+            if not r.samples:
+                continue
+            drafts = r.token_ids[r.num_new_tokens - r.num_draft_tokens :]
+            first = inputs.token_offsets[i] + r.num_new_tokens - 1 - r.num_draft_tokens
+            spans.append((r, len(rows), drafts))
+            for j in range(len(drafts) + 1):
+                row_index.append(first + j)
+                history = r.output_token_ids + drafts[:j] if j else r.output_token_ids
+                rows.append(SamplingRow(r.sampling_params, r.seed, r.prompt_token_ids, history))
+        if not rows:
+            return
+        logits = self.model.compute_logits(hidden[torch.tensor(row_index, device=self.device)])
+        result = sample_rows(logits, rows, self.eos_token_ids)
+        for r, start, drafts in spans:
+            tokens = result.token_ids[start : start + len(drafts) + 1]
+            accepted = 0
+            while accepted < len(drafts) and tokens[accepted] == drafts[accepted]:
+                accepted += 1
+            out.sampled[r.request_id] = tokens[: accepted + 1]
+            if r.sampling_params.logprobs is not None:
+                out.logprobs[r.request_id] = result.logprobs[start : start + accepted + 1]
+            out.num_verified += len(drafts)
+            out.num_accepted += accepted
 
     def _prompt_logprobs(
         self, hidden: Tensor, offset: int, r: ScheduledRequest, k: int

@@ -13,8 +13,18 @@ import torch
 from torch import Tensor
 
 from deepinfer.backends import ops
-from deepinfer.engine.sched_output import ScheduledRequest
 from deepinfer.outputs import Logprob
+from deepinfer.sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class SamplingRow:
+    """One row of logits to sample: the request's parameters and the token history before it."""
+
+    sampling_params: SamplingParams
+    seed: int
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]  # generated tokens before this row's; its length is the RNG offset
 
 
 @dataclass(slots=True)
@@ -23,7 +33,7 @@ class SampleResult:
     logprobs: list[list[tuple[int, float, int]] | None]  # per row: (token, logprob, rank), sampled first
 
 
-def _penalise(logits: Tensor, rows: list[ScheduledRequest]) -> None:
+def _penalise(logits: Tensor, rows: list[SamplingRow]) -> None:
     """Repetition / frequency / presence penalties (vLLM semantics), in place, for rows that use them."""
     vocab = logits.shape[1]
     for i, r in enumerate(rows):
@@ -44,7 +54,7 @@ def _penalise(logits: Tensor, rows: list[ScheduledRequest]) -> None:
             row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
 
 
-def _mask_stops_before_min_tokens(logits: Tensor, rows: list[ScheduledRequest], eos: frozenset[int]) -> None:
+def _mask_stops_before_min_tokens(logits: Tensor, rows: list[SamplingRow], eos: frozenset[int]) -> None:
     for i, r in enumerate(rows):
         p = r.sampling_params
         if len(r.output_token_ids) < p.min_tokens:
@@ -67,7 +77,7 @@ def top_logprobs(logits: Tensor, chosen: Tensor, k: int) -> list[list[tuple[int,
     return out
 
 
-def sample_rows(logits: Tensor, rows: list[ScheduledRequest], eos: frozenset[int]) -> SampleResult:
+def sample_rows(logits: Tensor, rows: list[SamplingRow], eos: frozenset[int]) -> SampleResult:
     """logits: [N, V] float32, one row per request in ``rows``. Returns the sampled tokens and, for
     requests that asked for them, log-probabilities of the raw (unpenalised) distribution."""
     device = logits.device

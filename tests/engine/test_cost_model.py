@@ -71,7 +71,7 @@ def run_decodes(s: Scheduler, count: int) -> None:
         s.add_request(req(f"d{i}", 100))
     while any(r.num_output_tokens == 0 for r in s.requests.values()):
         out = s.schedule()
-        s.update_from_output(out, {r.request_id: 5 for r in out.requests if r.samples})
+        s.update_from_output(out, {r.request_id: [5] for r in out.requests if r.samples})
 
 
 def test_time_budget_cuts_a_long_prompt_beside_running_decodes() -> None:
@@ -93,7 +93,7 @@ def test_later_chunks_shrink_as_the_context_grows() -> None:
     while s.has_unfinished() and len(sizes) < 40:
         out = s.schedule()
         sizes.append(out.requests[0].num_new_tokens)
-        s.update_from_output(out, {r.request_id: 5 for r in out.requests if r.samples})
+        s.update_from_output(out, {r.request_id: [5] for r in out.requests if r.samples})
     assert sizes[0] > sizes[5] > sizes[20]
 
 

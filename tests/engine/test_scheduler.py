@@ -19,7 +19,7 @@ def req(rid: str, n: int, max_tokens: int = 4, **params) -> Request:
 
 def step(s: Scheduler, token: int = 7) -> dict[str, int]:
     out = s.schedule()
-    s.update_from_output(out, {r.request_id: token for r in out.requests if r.samples})
+    s.update_from_output(out, {r.request_id: [token] for r in out.requests if r.samples})
     return {r.request_id: r.num_new_tokens for r in out.requests}
 
 
@@ -68,9 +68,9 @@ def test_stops_on_eos_stop_token_and_length() -> None:
     s.add_request(req("stoptok", 3, max_tokens=10, stop_token_ids=[9]))
     s.add_request(req("len", 3, max_tokens=2))
     out = s.schedule()
-    s.update_from_output(out, {"eos": 0, "stoptok": 9, "len": 5})
+    s.update_from_output(out, {"eos": [0], "stoptok": [9], "len": [5]})
     out = s.schedule()
-    s.update_from_output(out, {"len": 5})
+    s.update_from_output(out, {"len": [5]})
     assert not s.has_unfinished() and s.kv.num_free_blocks == 64
 
 
@@ -78,9 +78,9 @@ def test_min_tokens_defers_eos() -> None:
     s = make()
     r = req("r", 3, max_tokens=10, min_tokens=2)
     s.add_request(r)
-    s.update_from_output(s.schedule(), {"r": 0})
+    s.update_from_output(s.schedule(), {"r": [0]})
     assert r.status is RequestStatus.RUNNING
-    s.update_from_output(s.schedule(), {"r": 0})
+    s.update_from_output(s.schedule(), {"r": [0]})
     assert r.status is RequestStatus.FINISHED_STOPPED
 
 

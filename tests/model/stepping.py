@@ -29,7 +29,7 @@ def greedy_steps_with_logits(
             for j in range(r.num_new_tokens):
                 logits_at[r.request_id][r.num_computed_tokens + j] = logits[offset + j]
             if r.samples:
-                sampled[r.request_id] = int(logits[offset + r.num_new_tokens - 1].argmax())
+                sampled[r.request_id] = [int(logits[offset + r.num_new_tokens - 1].argmax())]
         for request in engine.scheduler.update_from_output(scheduled, sampled):
             if request.status.finished:
                 engine.outputs.finish(request)

@@ -1,0 +1,186 @@
+"""Speculative drafting with the model's MTP layer, and DSpark-style confidence gating.
+
+After each step, for every request that sampled, the MTP layer proposes ``k`` draft tokens by chaining
+itself: the first pass runs over all of the step's positions (the main model's final hidden state at
+position i and the token at i+1), which also fills the MTP layer's KV cache; each further draft feeds
+the previous MTP output and draft back in. Drafts are greedy (the MTP argmax), so verification by
+sampling the target at each draft position is lossless (see ``ModelRunner._sample_and_verify``).
+
+With a confidence head, a request keeps only the draft prefix whose predicted cumulative acceptance
+stays at or above a threshold, so the number of verified tokens adapts per request and step.
+
+Known limit: with prefix caching, the MTP cache row at the last position of a shared block was written
+with the next token of the request that computed it; drafts there may be worse, never wrong.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import Tensor, nn
+
+from deepinfer.engine.sched_output import ScheduledRequest
+from deepinfer.model.deepseek_v3 import DeepseekV3ForCausalLM
+from deepinfer.worker.model_runner import StepInputs
+
+CONFIDENCE_FILE = "confidence_head.safetensors"
+CONFIDENCE_CONFIG = "confidence_head.json"
+
+
+class ConfidenceHead(nn.Module):
+    """Predicts the probability that a draft token is accepted.
+
+    Features: the MTP layer's output hidden state at the draft (RMS-normalised), the draft's
+    probability under the MTP distribution, and the draft's depth (1-based) in the chain.
+    """
+
+    def __init__(self, hidden_size: int, width: int = 32) -> None:
+        super().__init__()
+        self.hidden_size = hidden_size
+        self.width = width
+        self.net = nn.Sequential(nn.Linear(hidden_size + 2, width), nn.SiLU(), nn.Linear(width, 1))
+
+    @staticmethod
+    def features(hidden: Tensor, draft_prob: Tensor, depth: int) -> Tensor:
+        normed = hidden.float() * torch.rsqrt(hidden.float().pow(2).mean(-1, keepdim=True) + 1e-6)
+        depth_col = torch.full_like(draft_prob, float(depth))
+        return torch.cat((normed, draft_prob[:, None], depth_col[:, None]), dim=-1)
+
+    def forward(self, features: Tensor) -> Tensor:
+        """features [N, D + 2] -> acceptance probability [N]."""
+        return torch.sigmoid(self.net(features)).squeeze(-1)
+
+    def save(self, folder: Path, threshold: float, metrics: dict) -> None:
+        save_file({k: v.contiguous() for k, v in self.state_dict().items()}, folder / CONFIDENCE_FILE)
+        config = {"hidden_size": self.hidden_size, "width": self.width, "threshold": threshold, **metrics}
+        (folder / CONFIDENCE_CONFIG).write_text(json.dumps(config, indent=2))
+
+    @classmethod
+    def load(cls, folder: Path) -> tuple[ConfidenceHead, float]:
+        """The head shipped in a model folder and its default threshold."""
+        config_path = folder / CONFIDENCE_CONFIG
+        if not config_path.is_file():
+            raise FileNotFoundError(
+                f"{folder} has no {CONFIDENCE_CONFIG}: speculative 'mtp-confidence' needs a trained confidence "
+                "head (tools/train_confidence_head.py makes one)"
+            )
+        config = json.loads(config_path.read_text())
+        head = cls(config["hidden_size"], config["width"])
+        head.load_state_dict(load_file(folder / CONFIDENCE_FILE))
+        return head.eval(), float(config["threshold"])
+
+
+@dataclass(slots=True)
+class DraftChain:
+    """The drafts of one request, with the confidence features of each."""
+
+    request_id: str
+    tokens: list[int]
+    accept_prob: list[float]
+
+
+class MTPProposer:
+    def __init__(
+        self,
+        model: DeepseekV3ForCausalLM,
+        kv_caches: Sequence[Sequence[Tensor]],
+        prepare: Callable[[Sequence[ScheduledRequest]], StepInputs],
+        num_drafts: int,
+        confidence: tuple[ConfidenceHead, float] | None = None,
+    ) -> None:
+        if not model.mtp_layers:
+            raise ValueError(
+                "speculative decoding with MTP needs a model with MTP layers (num_nextn_predict_layers)"
+            )
+        self.model = model
+        self.kv_caches = kv_caches
+        self.prepare = prepare  # ModelRunner.prepare: host batch -> StepInputs
+        self.num_drafts = num_drafts
+        self.head, self.threshold = confidence if confidence is not None else (None, 0.0)
+
+    def propose(
+        self, inputs: StepInputs, hidden: Tensor, emitted: dict[str, list[int]]
+    ) -> tuple[dict[str, list[int]], int]:
+        """Drafts for every request in ``emitted``; returns (request id -> kept drafts, drafts proposed)."""
+        passes, rows = [], []
+        for i, r in enumerate(inputs.order):
+            offset = inputs.token_offsets[i]
+            if r.request_id in emitted:
+                tokens = emitted[r.request_id]
+                count = r.num_new_tokens - r.num_draft_tokens + len(tokens) - 1
+                next_ids = [*r.token_ids[1:count], tokens[-1]]
+            else:
+                count = r.num_new_tokens
+                known = r.prompt_token_ids + r.output_token_ids
+                next_ids = known[r.num_computed_tokens + 1 : r.num_computed_tokens + count + 1]
+            passes.append(replace(r, token_ids=next_ids, num_draft_tokens=0, samples=r.request_id in emitted))
+            rows.append(list(range(offset, offset + count)))
+
+        mtp_inputs = self.prepare(passes)
+        by_id = {p.request_id: rows[i] for i, p in enumerate(passes)}
+        order_rows = [row for p in mtp_inputs.order for row in by_id[p.request_id]]
+        previous = hidden[torch.tensor(order_rows, device=hidden.device)]
+        mtp_hidden, logits = self.model.mtp_forward(
+            0, mtp_inputs.input_ids, mtp_inputs.positions, previous, mtp_inputs.meta, self.kv_caches
+        )
+
+        chains: list[DraftChain] = []
+        last_rows, steps = [], []
+        for p, offset in zip(mtp_inputs.order, mtp_inputs.token_offsets):
+            if p.samples:
+                last_rows.append(offset + p.num_new_tokens - 1)
+                chains.append(DraftChain(p.request_id, [], []))
+                steps.append(p)
+        index = torch.tensor(last_rows, device=hidden.device)
+        step_hidden, step_logits = mtp_hidden[index], logits[index]
+        for depth in range(1, self.num_drafts + 1):
+            probs = torch.softmax(step_logits, dim=-1)
+            draft_prob, draft = probs.max(dim=-1)
+            accept = (
+                self.head(ConfidenceHead.features(step_hidden, draft_prob, depth)).tolist()
+                if self.head is not None
+                else [1.0] * len(chains)
+            )
+            for chain, token, a in zip(chains, draft.tolist(), accept):
+                chain.tokens.append(token)
+                chain.accept_prob.append(a)
+            if depth == self.num_drafts:
+                break
+            # Next draft: the MTP layer at the following position, fed its own output and the draft.
+            steps = [
+                replace(
+                    s,
+                    token_ids=[t],
+                    num_computed_tokens=s.num_computed_tokens + s.num_new_tokens,
+                    samples=True,
+                )
+                for s, t in zip(steps, draft.tolist())
+            ]
+            chain_inputs = self.prepare(steps)
+            step_hidden, step_logits = self.model.mtp_forward(
+                min(depth, len(self.model.mtp_layers) - 1),
+                chain_inputs.input_ids,
+                chain_inputs.positions,
+                step_hidden,
+                chain_inputs.meta,
+                self.kv_caches,
+            )
+        proposed = self.num_drafts * len(chains)
+        return {c.request_id: self._kept(c) for c in chains}, proposed
+
+    def _kept(self, chain: DraftChain) -> list[int]:
+        """The longest draft prefix whose predicted cumulative acceptance is >= the threshold."""
+        if self.head is None:
+            return chain.tokens
+        kept, cumulative = 0, 1.0
+        for a in chain.accept_prob:
+            cumulative *= a
+            if cumulative < self.threshold:
+                break
+            kept += 1
+        return chain.tokens[:kept]
