@@ -1,4 +1,5 @@
-"""The ``deepinfer`` command line: ``deepinfer run`` (also ``python -m deepinfer.run``).
+"""The ``deepinfer`` command line: ``deepinfer run`` (also ``python -m deepinfer.run``) and
+``deepinfer serve`` (the HTTP server; needs the ``server`` extra).
 
 Heavy imports (torch, the engine) happen inside the subcommands, so ``deepinfer --help`` is instant.
 """
@@ -230,12 +231,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     add_run_arguments(sub.add_parser("run", help="complete prompts with a model"))
     add_bench_arguments(sub.add_parser("bench", help="benchmarks: offline, peer, pareto"))
+    from deepinfer.server.launch import add_serve_arguments  # argparse only: no server imports yet
+
+    add_serve_arguments(sub.add_parser("serve", help="serve a model over OpenAI- and Anthropic-compatible HTTP"))
     args = parser.parse_args(argv)
     reexec_with_malloc_tuning()
     if args.command == "run":
         return run(args)
     if args.command == "bench":
         return bench(args)
+    if args.command == "serve":
+        from deepinfer.server.launch import serve
+
+        return serve(args)
     parser.error(f"unknown command {args.command}")
     return 2
 

@@ -114,6 +114,13 @@ ENV_VARS: dict[str, EnvVar] = {
             "Test suite: the platform the tests pin DEEPINFER_ACCELERATOR to (vendor CI runners set it).",
         ),
         EnvVar(
+            "DEEPINFER_API_KEY",
+            None,
+            str.strip,
+            "`deepinfer serve`: the API key clients must send (Authorization: Bearer, or x-api-key) when "
+            "--api-key is not given; unset means no key is needed.",
+        ),
+        EnvVar(
             "DEEPINFER_NUM_THREADS",
             None,
             int,

@@ -153,7 +153,10 @@ class LLMEngine:
         confidence = None
         if config.speculative == "mtp-confidence":
             head, threshold = ConfidenceHead.load(Path(config.model))
-            confidence = (head.to(self.device), config.confidence_threshold or threshold)
+            confidence = (
+                head.to(self.device),
+                threshold if config.confidence_threshold is None else config.confidence_threshold,
+            )
         self.runner.decode_query_len = 1 + k
         self.runner.proposer = MTPProposer(self.model, self.kv_caches, self.runner.prepare, k, confidence)
         return k

@@ -28,7 +28,7 @@ from deepinfer.engine.sched_output import ScheduledRequest
 from deepinfer.model.deepseek_v3 import DeepseekV3ForCausalLM
 from deepinfer.worker.model_runner import StepInputs
 
-CONFIDENCE_FILE = "confidence_head.safetensors"
+CONFIDENCE_FILE = "confidence_head.safetensors"  # listed in loader.AUXILIARY_FILES
 CONFIDENCE_CONFIG = "confidence_head.json"
 
 

@@ -130,3 +130,28 @@ def dequantized_copy(fp8_dir: Path, dst: Path) -> None:
         out[name] = dequantize_block_fp8(t, scale, block) if scale is not None else t
     save_file(out, dst / "model.safetensors")
     (dst / "config.json").write_text(json.dumps(raw, indent=2))
+
+
+def add_mtp_weights(model, src: Path, dst: Path, seed: int = 1) -> dict[str, torch.Tensor]:
+    """The model in fused layout plus one MTP layer (model.layers.N.*) with random weights."""
+    write_fused_layout(model, src, dst)
+    tensors = load_file(dst / "model.safetensors")
+    config = json.loads((dst / "config.json").read_text())
+    n, d = config["num_hidden_layers"], config["hidden_size"]
+    gen = torch.Generator().manual_seed(seed)
+    mtp: dict[str, torch.Tensor] = {}
+    for name, t in tensors.items():
+        if name.startswith(f"model.layers.{n - 1}."):
+            mtp[name.replace(f"model.layers.{n - 1}.", f"model.layers.{n}.")] = t + 0.02 * torch.randn(
+                t.shape, generator=gen
+            )
+    mtp[f"model.layers.{n}.embed_tokens.weight"] = tensors["model.embed_tokens.weight"].clone()
+    mtp[f"model.layers.{n}.enorm.weight"] = 1 + 0.1 * torch.randn(d, generator=gen)
+    mtp[f"model.layers.{n}.hnorm.weight"] = 1 + 0.1 * torch.randn(d, generator=gen)
+    mtp[f"model.layers.{n}.eh_proj.weight"] = 0.1 * torch.randn(d, 2 * d, generator=gen)
+    mtp[f"model.layers.{n}.shared_head.norm.weight"] = 1 + 0.1 * torch.randn(d, generator=gen)
+    mtp[f"model.layers.{n}.shared_head.head.weight"] = tensors["lm_head.weight"].clone()
+    save_file({**tensors, **mtp}, dst / "model.safetensors")
+    config["num_nextn_predict_layers"] = 1
+    (dst / "config.json").write_text(json.dumps(config))
+    return mtp

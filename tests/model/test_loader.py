@@ -16,6 +16,7 @@ from deepinfer.engine.llm_engine import LLMEngine
 from deepinfer.model.config import UnsupportedConfigError
 from deepinfer.model.loader import CheckpointError, load_model
 from tests.model.hf_models import (
+    add_mtp_weights,
     dequantized_copy,
     make_hf_checkpoint,
     rewrite_deepseek_layout,
@@ -64,31 +65,6 @@ def test_fp8_block_scaled_checkpoint_matches_its_dequantised_reference(hf, tmp_p
     assert ((ours - ref).abs().max() / ref.abs().max()).item() < 1e-5
     # and FP8 really changed the weights (the comparison is not trivially with the original model)
     assert not torch.allclose(ours, prompt_logits(engine(hf_dir), PROMPT), atol=1e-6)
-
-
-def add_mtp_weights(model, src: Path, dst: Path, seed: int = 1) -> dict[str, torch.Tensor]:
-    """The model in fused layout plus one MTP layer (model.layers.N.*) with random weights."""
-    write_fused_layout(model, src, dst)
-    tensors = load_file(dst / "model.safetensors")
-    config = json.loads((dst / "config.json").read_text())
-    n, d = config["num_hidden_layers"], config["hidden_size"]
-    gen = torch.Generator().manual_seed(seed)
-    mtp: dict[str, torch.Tensor] = {}
-    for name, t in tensors.items():
-        if name.startswith(f"model.layers.{n - 1}."):
-            mtp[name.replace(f"model.layers.{n - 1}.", f"model.layers.{n}.")] = t + 0.02 * torch.randn(
-                t.shape, generator=gen
-            )
-    mtp[f"model.layers.{n}.embed_tokens.weight"] = tensors["model.embed_tokens.weight"].clone()
-    mtp[f"model.layers.{n}.enorm.weight"] = 1 + 0.1 * torch.randn(d, generator=gen)
-    mtp[f"model.layers.{n}.hnorm.weight"] = 1 + 0.1 * torch.randn(d, generator=gen)
-    mtp[f"model.layers.{n}.eh_proj.weight"] = 0.1 * torch.randn(d, 2 * d, generator=gen)
-    mtp[f"model.layers.{n}.shared_head.norm.weight"] = 1 + 0.1 * torch.randn(d, generator=gen)
-    mtp[f"model.layers.{n}.shared_head.head.weight"] = tensors["lm_head.weight"].clone()
-    save_file({**tensors, **mtp}, dst / "model.safetensors")
-    config["num_nextn_predict_layers"] = 1
-    (dst / "config.json").write_text(json.dumps(config))
-    return mtp
 
 
 def test_mtp_layer_loads_and_matches_an_independent_implementation(tmp_path: Path) -> None:
