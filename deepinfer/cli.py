@@ -154,6 +154,9 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
         p.add_argument("--max-num-seqs", type=int, default=256)
         p.add_argument("--max-num-batched-tokens", type=int, default=2048)
         p.add_argument("--step-time-budget-ms", type=float, default=None)
+        p.add_argument("--async-scheduling", action="store_true")
+        p.add_argument("--speculative", choices=["mtp", "mtp-confidence"], default=None)
+        p.add_argument("--num-draft-tokens", type=int, default=None)
         p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
         p.add_argument("--out", help="also write the JSON result to this path")
         if name == "offline":
@@ -182,6 +185,9 @@ def bench(args: argparse.Namespace) -> int:
         "max_num_seqs": args.max_num_seqs,
         "max_num_batched_tokens": args.max_num_batched_tokens,
         "step_time_budget_ms": args.step_time_budget_ms,
+        "async_scheduling": args.async_scheduling,
+        "speculative": args.speculative,
+        "num_draft_tokens": args.num_draft_tokens,
     }
     if args.bench == "peer":
         from deepinfer.bench.peer import compare
@@ -233,7 +239,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     add_bench_arguments(sub.add_parser("bench", help="benchmarks: offline, peer, pareto"))
     from deepinfer.server.launch import add_serve_arguments  # argparse only: no server imports yet
 
-    add_serve_arguments(sub.add_parser("serve", help="serve a model over OpenAI- and Anthropic-compatible HTTP"))
+    add_serve_arguments(
+        sub.add_parser("serve", help="serve a model over OpenAI- and Anthropic-compatible HTTP")
+    )
     args = parser.parse_args(argv)
     reexec_with_malloc_tuning()
     if args.command == "run":

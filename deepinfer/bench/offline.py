@@ -11,6 +11,7 @@ import time
 
 from deepinfer.bench.report import environment
 from deepinfer.bench.workload import Workload
+from deepinfer.engine.spec_stats import SpecDecodeStats
 from deepinfer.llm import LLM
 from deepinfer.sampling_params import SamplingParams
 
@@ -29,6 +30,7 @@ def run_offline(llm: LLM, workload: Workload, prompts: list[list[int]] | None = 
     prompts = prompts if prompts is not None else workload.prompts(engine.tokenizer)
     llm.generate(prompt_token_ids=prompts[:2], sampling_params=SamplingParams(temperature=0.0, max_tokens=4))
     params = SamplingParams(temperature=0.0, max_tokens=workload.output_len, ignore_eos=True)
+    engine.spec_stats = SpecDecodeStats()
     ids = [engine.new_request_id() for _ in prompts]
     start = time.perf_counter()
     for rid, prompt in zip(ids, prompts):
@@ -58,6 +60,9 @@ def run_offline(llm: LLM, workload: Workload, prompts: list[list[int]] | None = 
         "p50_step_s": percentile(steps, 50),
         "p99_step_s": percentile(steps, 99),
         "preemptions": engine.scheduler.num_preemptions,
+        "speculative": engine.config.speculative,
+        "num_draft_tokens": engine.num_draft_tokens,
+        **engine.spec_stats.as_dict(),
         "workload": workload.describe(),
         "env": environment(engine),
         "output_token_ids": [o.outputs[0].token_ids for o in outs],

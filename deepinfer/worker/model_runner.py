@@ -182,6 +182,8 @@ class ModelRunner:
                 out.logprobs[r.request_id] = result.logprobs[start : start + accepted + 1]
             out.num_verified += len(drafts)
             out.num_accepted += accepted
+            if self.proposer is not None:
+                self.proposer.record_verification(r.request_id, len(drafts), accepted)
 
     def _prompt_logprobs(
         self, hidden: Tensor, offset: int, r: ScheduledRequest, k: int

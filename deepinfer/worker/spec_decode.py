@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -82,6 +82,7 @@ class DraftChain:
     request_id: str
     tokens: list[int]
     accept_prob: list[float]
+    features: list[Tensor] = field(default_factory=list)  # filled only while tracing
 
 
 class MTPProposer:
@@ -102,6 +103,9 @@ class MTPProposer:
         self.prepare = prepare  # ModelRunner.prepare: host batch -> StepInputs
         self.num_drafts = num_drafts
         self.head, self.threshold = confidence if confidence is not None else (None, 0.0)
+        # Set to a list to collect (features, accepted) pairs for training a confidence head.
+        self.trace: list[tuple[Tensor, bool]] | None = None
+        self._pending_features: dict[str, list[Tensor]] = {}
 
     def propose(
         self, inputs: StepInputs, hidden: Tensor, emitted: dict[str, list[int]]
@@ -141,14 +145,15 @@ class MTPProposer:
         for depth in range(1, self.num_drafts + 1):
             probs = torch.softmax(step_logits, dim=-1)
             draft_prob, draft = probs.max(dim=-1)
-            accept = (
-                self.head(ConfidenceHead.features(step_hidden, draft_prob, depth)).tolist()
-                if self.head is not None
-                else [1.0] * len(chains)
-            )
-            for chain, token, a in zip(chains, draft.tolist(), accept):
+            features = None
+            if self.head is not None or self.trace is not None:
+                features = ConfidenceHead.features(step_hidden, draft_prob, depth)
+            accept = self.head(features).tolist() if self.head is not None else [1.0] * len(chains)
+            for i, (chain, token, a) in enumerate(zip(chains, draft.tolist(), accept)):
                 chain.tokens.append(token)
                 chain.accept_prob.append(a)
+                if self.trace is not None:
+                    chain.features.append(features[i].cpu())
             if depth == self.num_drafts:
                 break
             # Next draft: the MTP layer at the following position, fed its own output and the draft.
@@ -171,7 +176,15 @@ class MTPProposer:
                 self.kv_caches,
             )
         proposed = self.num_drafts * len(chains)
+        if self.trace is not None:
+            self._pending_features = {c.request_id: c.features for c in chains}
         return {c.request_id: self._kept(c) for c in chains}, proposed
+
+    def record_verification(self, request_id: str, verified: int, accepted: int) -> None:
+        """While tracing: pair each verified draft's features with whether it was accepted."""
+        features = self._pending_features.pop(request_id, None) if self.trace is not None else None
+        if features is not None:
+            self.trace.extend((features[j], j < accepted) for j in range(verified))
 
     def _kept(self, chain: DraftChain) -> list[int]:
         """The longest draft prefix whose predicted cumulative acceptance is >= the threshold."""
