@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 from deepinfer.backends.cache_spec import KVCacheSpec
-from deepinfer.backends.registry import active_ops
+from deepinfer.backends.registry import active_ops, portable
 
 ScoringFunc = Literal["sigmoid", "softmax"]
 TopkMethod = Literal["noaux_tc", "greedy", "group_limited_greedy"]
@@ -282,3 +282,14 @@ def sample(
     bit-exactly, so every backend draws the same tokens). Returns [B] int64.
     """
     return active_ops().sample(logits, temperature, top_k, top_p, min_p, seeds, offsets)
+
+
+@portable
+def apply_token_bitmask(logits: Tensor, bitmask: Tensor) -> None:
+    """Structured outputs: forbid tokens, in place.
+
+    logits: [B, V] float32; bitmask: [B, ceil(V / 32)] int32, bit ``t % 32`` (least significant first)
+    of word ``t // 32`` set when token ``t`` is allowed (the layout llguidance and xgrammar write).
+    Disallowed tokens' logits become -inf; bits past V are ignored.
+    """
+    active_ops().apply_token_bitmask(logits, bitmask)

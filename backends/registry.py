@@ -28,6 +28,16 @@ logger = get_logger(__name__)
 REFERENCE_BACKEND = "deepinfer.backends.reference"
 
 
+PORTABLE_OPS: set[str] = set()
+
+
+def portable(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Mark an interface op whose reference implementation is plain, device-generic torch: a backend
+    may implement it, and otherwise runs the reference one (logged at activation like any fallback)."""
+    PORTABLE_OPS.add(fn.__name__)
+    return fn
+
+
 class DuplicateOpError(ValueError):
     """An op was registered twice in one backend."""
 
@@ -92,7 +102,10 @@ class OpTable:
         """Check completeness (idempotent). Raises MissingOpError naming every missing op."""
         if self._final:
             return self
-        missing = sorted(set(interface_ops()) - set(self._impls) - set(self._fallbacks))
+        interface = interface_ops()  # importing the interface also fills PORTABLE_OPS
+        for name in sorted(set(PORTABLE_OPS) - set(self._impls) - set(self._fallbacks)):
+            self._fallbacks[name] = "portable op: its reference implementation runs on any torch device"
+        missing = sorted(set(interface) - set(self._impls) - set(self._fallbacks))
         if missing:
             raise MissingOpError(f"backend {self.backend} does not implement: {', '.join(missing)}")
         fallback_names = sorted(n for n in self._fallbacks if n not in self._impls)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 
 class SamplingParams(BaseModel):
@@ -35,6 +35,21 @@ class SamplingParams(BaseModel):
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     repetition_penalty: float = Field(1.0, gt=0.0, le=10.0)
     skip_special_tokens: bool = True
+    # Structured outputs (at most one): the output must match the regex / the JSON schema / the Lark
+    # (or GBNF) grammar / be one of the choices.
+    regex: str | None = None
+    json_schema: dict | str | None = None
+    grammar: str | None = None
+    choice: list[str] | None = Field(None, min_length=1)
+
+    @model_validator(mode="after")
+    def _one_constraint(self) -> SamplingParams:
+        given = [n for n in ("regex", "json_schema", "grammar", "choice") if getattr(self, n) is not None]
+        if len(given) > 1:
+            raise ValueError(
+                f"give at most one of regex, json_schema, grammar, choice; got {', '.join(given)}"
+            )
+        return self
 
     @field_validator("stop", mode="before")
     @classmethod

@@ -96,3 +96,11 @@ def sample(
     perturbed = (log_probs + gumbel).masked_fill(~allowed, float("-inf"))
     tokens[random_rows] = perturbed.argmax(dim=-1)
     return tokens
+
+
+@OPS.implement
+def apply_token_bitmask(logits: Tensor, bitmask: Tensor) -> None:
+    vocab = logits.shape[1]
+    bits = torch.arange(32, device=bitmask.device, dtype=torch.int32)
+    allowed = ((bitmask.to(logits.device)[:, :, None] >> bits) & 1).flatten(1)[:, :vocab]
+    logits.masked_fill_(allowed == 0, float("-inf"))

@@ -369,3 +369,24 @@ def check_sample(ops: OpTable, device: torch.device, case: str) -> None:
     mismatched = (out.cpu() != ref).nonzero().flatten().tolist()
     if mismatched:
         raise AssertionError(f"sample[{case}]: rows {mismatched} drew different tokens than the reference")
+
+
+def check_apply_token_bitmask(ops: OpTable, device: torch.device, case: str) -> None:
+    gen = generator(case)
+    rows, vocab = 5, 1000  # not a multiple of 32: the last word is partial
+    logits = randn(gen, rows, vocab)
+    allowed = torch.rand(rows, vocab, generator=gen) < 0.3
+    allowed[0] = True
+    allowed[1] = False
+    allowed[1, vocab - 1] = True  # the very last token, in the partial word
+    padded = torch.zeros(rows, 32 * ((vocab + 31) // 32), dtype=torch.bool)
+    padded[:, :vocab] = allowed
+    weights = torch.tensor([1 << b for b in range(32)], dtype=torch.int64)
+    words = (padded.view(rows, -1, 32).long() * weights).sum(-1)
+    bitmask = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+    out = _on(logits, device)
+    ops.apply_token_bitmask(out, _on(bitmask, device))
+    expected = logits.masked_fill(~allowed, float("-inf"))
+    if not torch.equal(out.cpu(), expected):
+        wrong = int((out.cpu() != expected).sum())
+        raise AssertionError(f"apply_token_bitmask[{case}]: {wrong} logits differ from the mask")

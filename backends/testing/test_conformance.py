@@ -109,6 +109,10 @@ def test_sample(target: Target, case: str) -> None:
     checks.check_sample(target.ops, target.device, f"sample-{case}")
 
 
+def test_apply_token_bitmask(target: Target) -> None:
+    checks.check_apply_token_bitmask(target.ops, target.device, "bitmask")
+
+
 def test_every_interface_op_is_covered() -> None:
     """A new interface op must get a conformance check here."""
     from deepinfer.backends.registry import interface_ops
@@ -116,6 +120,6 @@ def test_every_interface_op_is_covered() -> None:
     covered = {
         "rms_norm", "add_rms_norm", "silu_and_mul", "rope", "kv_cache_spec", "kv_cache_write",
         "kv_cache_gather", "mla_prefill", "mla_decode", "moe_route", "grouped_gemm", "fused_moe",
-        "ep_dispatch", "ep_combine", "sample",
+        "ep_dispatch", "ep_combine", "sample", "apply_token_bitmask",
     }  # fmt: skip
     assert set(interface_ops()) == covered

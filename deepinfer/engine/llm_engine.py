@@ -35,6 +35,7 @@ from deepinfer.outputs import RequestOutput
 from deepinfer.platform.interface import Platform
 from deepinfer.platform.registry import resolve_platform, set_current_platform
 from deepinfer.sampling_params import SamplingParams
+from deepinfer.structured.manager import StructuredOutputs
 from deepinfer.tokenizer import Tokenizer
 from deepinfer.worker import calibration
 from deepinfer.worker.model_runner import ModelRunner, RunnerOutput
@@ -94,6 +95,8 @@ class LLMEngine:
             self.eos_token_ids,
             self.platform.synchronize,
         )
+        self.structured = StructuredOutputs(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
+        self.runner.structured = self.structured
         self.num_draft_tokens = self._setup_speculation()
         self.spec_stats = SpecDecodeStats()
         self.cost_model = self._cost_model() if config.step_time_budget_ms else None
@@ -245,6 +248,13 @@ class LLMEngine:
                     arrival_time=time.monotonic(),
                 )
             )
+        try:
+            for child in children:
+                self.structured.add(child.request_id, params)
+        except ValueError:
+            for child in children:
+                self.structured.remove(child.request_id)
+            raise
         self.outputs.add(request_id, prompt, children)
         for child in children:
             self.scheduler.add_request(child)
@@ -268,6 +278,7 @@ class LLMEngine:
         for rid in [request_ids] if isinstance(request_ids, str) else request_ids:
             for child_id in self._children.pop(rid, []):
                 request = self.scheduler.requests.get(child_id)
+                self.structured.remove(child_id)
                 if request is not None:
                     self.scheduler.finish_requests([child_id], RequestStatus.FINISHED_ABORTED)
                     self.outputs.finish(request)
@@ -328,11 +339,13 @@ class LLMEngine:
         self.spec_stats.record(result)
         parents = []
         for request in updated:
+            self.structured.accept(request.request_id, result.sampled[request.request_id])
             stop = self.outputs.record_tokens(request, result.logprobs.get(request.request_id))
             if stop is not None and not request.status.finished:
                 self.scheduler.finish_requests([request.request_id], RequestStatus.FINISHED_STOPPED, stop)
             if request.status.finished:
                 self.outputs.finish(request)
+                self.structured.remove(request.request_id)
             parent = self.outputs.parent_of[request.request_id]
             if parent not in parents:
                 parents.append(parent)

@@ -22,6 +22,7 @@ from deepinfer.model.deepseek_v3 import DeepseekV3ForCausalLM
 from deepinfer.worker.sampler import SamplingRow, sample_rows, top_logprobs
 
 if TYPE_CHECKING:
+    from deepinfer.structured.manager import StructuredOutputs
     from deepinfer.worker.spec_decode import MTPProposer
 
 
@@ -38,6 +39,16 @@ class RunnerOutput:
     num_proposed: int = 0  # draft tokens the drafter produced this step
     num_verified: int = 0  # draft tokens checked against the target this step
     num_accepted: int = 0  # of which accepted
+
+
+@dataclass(slots=True)
+class SamplingPlan:
+    """The rows a step samples: per request (its first row, its drafts), per row the hidden-state
+    index and the sampling parameters and history."""
+
+    spans: list[tuple[ScheduledRequest, int, list[int]]]
+    hidden_rows: list[int]
+    rows: list[SamplingRow]
 
 
 @dataclass(slots=True)
@@ -72,6 +83,7 @@ class ModelRunner:
         self.decode_query_len = decode_query_len
         self.synchronize = synchronize  # the platform's: waits for queued device work (timing)
         self.proposer: MTPProposer | None = None
+        self.structured: StructuredOutputs | None = None
 
     # ------------------------------------------------------------------ inputs
     def prepare(self, requests: Sequence[ScheduledRequest]) -> StepInputs:
@@ -137,9 +149,16 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, scheduled: SchedulerOutput) -> RunnerOutput:
         inputs = self.prepare(scheduled.requests)
+        plan = self._sampling_plan(inputs)
+        masks = None
+        if self.structured is not None and plan.rows:
+            masks = self.structured.start_masks(
+                [(r.request_id, first, drafts) for r, first, drafts in plan.spans], len(plan.rows)
+            )
         hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta, self.kv_caches)
         out = RunnerOutput()
-        self._sample_and_verify(inputs, hidden, out)
+        if plan.rows:
+            self._sample_and_verify(plan, hidden, None if masks is None else masks.result(), out)
         for i, r in enumerate(inputs.order):
             k = r.sampling_params.prompt_logprobs
             if k is not None and r.num_computed_tokens < r.num_prompt_tokens - 1:
@@ -150,29 +169,34 @@ class ModelRunner:
             out.drafts, out.num_proposed = self.proposer.propose(inputs, hidden, out.sampled)
         return out
 
-    def _sample_and_verify(self, inputs: StepInputs, hidden: Tensor, out: RunnerOutput) -> None:
-        """Sample one token at each request's last real position and at each of its draft positions.
-
-        The token sampled at a position is exactly the one non-speculative decoding would sample there
-        (same seed, same offset, same history), so accepting drafts while they equal the sampled tokens
-        keeps the output identical, greedy or not; the first mismatch is the request's new token.
-        """
-        rows, row_index, spans = [], [], []
+    def _sampling_plan(self, inputs: StepInputs) -> SamplingPlan:
+        """One sampled row at each request's last real position and one at each of its drafts."""
+        plan = SamplingPlan([], [], [])
         for i, r in enumerate(inputs.order):
             if not r.samples:
                 continue
             drafts = r.token_ids[r.num_new_tokens - r.num_draft_tokens :]
             first = inputs.token_offsets[i] + r.num_new_tokens - 1 - r.num_draft_tokens
-            spans.append((r, len(rows), drafts))
+            plan.spans.append((r, len(plan.rows), drafts))
             for j in range(len(drafts) + 1):
-                row_index.append(first + j)
+                plan.hidden_rows.append(first + j)
                 history = r.output_token_ids + drafts[:j] if j else r.output_token_ids
-                rows.append(SamplingRow(r.sampling_params, r.seed, r.prompt_token_ids, history))
-        if not rows:
-            return
-        logits = self.model.compute_logits(hidden[torch.tensor(row_index, device=self.device)])
-        result = sample_rows(logits, rows, self.eos_token_ids)
-        for r, start, drafts in spans:
+                plan.rows.append(SamplingRow(r.sampling_params, r.seed, r.prompt_token_ids, history))
+        return plan
+
+    def _sample_and_verify(
+        self, plan: SamplingPlan, hidden: Tensor, bitmask: Tensor | None, out: RunnerOutput
+    ) -> None:
+        """Sample every planned row; accept each request's drafts while they equal the sampled tokens.
+
+        The token sampled at a position is exactly the one non-speculative decoding would sample there
+        (same seed, same offset, same history, same grammar state), so accepting drafts while they equal
+        the sampled tokens keeps the output identical, greedy or not; the first mismatch is the
+        request's new token.
+        """
+        logits = self.model.compute_logits(hidden[torch.tensor(plan.hidden_rows, device=self.device)])
+        result = sample_rows(logits, plan.rows, self.eos_token_ids, bitmask)
+        for r, start, drafts in plan.spans:
             tokens = result.token_ids[start : start + len(drafts) + 1]
             accepted = 0
             while accepted < len(drafts) and tokens[accepted] == drafts[accepted]:

@@ -77,15 +77,22 @@ def top_logprobs(logits: Tensor, chosen: Tensor, k: int) -> list[list[tuple[int,
     return out
 
 
-def sample_rows(logits: Tensor, rows: list[SamplingRow], eos: frozenset[int]) -> SampleResult:
-    """logits: [N, V] float32, one row per request in ``rows``. Returns the sampled tokens and, for
-    requests that asked for them, log-probabilities of the raw (unpenalised) distribution."""
+def sample_rows(
+    logits: Tensor, rows: list[SamplingRow], eos: frozenset[int], bitmask: Tensor | None = None
+) -> SampleResult:
+    """logits: [N, V] float32, one per row; ``bitmask`` [N, ceil(V/32)] int32 (structured outputs) forbids
+    tokens. Returns the sampled tokens and, for requests that asked for them, log-probabilities of the
+    raw (unpenalised, unmasked) distribution."""
     device = logits.device
     raw = logits
-    if any(r.sampling_params.needs_penalties or r.sampling_params.min_tokens for r in rows):
+    if bitmask is not None or any(
+        r.sampling_params.needs_penalties or r.sampling_params.min_tokens for r in rows
+    ):
         logits = logits.clone()
         _penalise(logits, rows)
         _mask_stops_before_min_tokens(logits, rows, eos)
+        if bitmask is not None:
+            ops.apply_token_bitmask(logits, bitmask.to(logits.device))
     params = [r.sampling_params for r in rows]
     tokens = ops.sample(
         logits,
