@@ -1,14 +1,36 @@
-"""Ascend backend (``DEEPINFER_ACCELERATOR=ascend``): op implementations on torch_npu and Ascend C.
+"""Ascend backend (``DEEPINFER_ACCELERATOR=ascend``): the op interface on torch_npu and Ascend C.
 
-Activation imports this package, which fills ``OPS``; ``torch_npu`` is imported only here and only on
-activation, never by ``import deepinfer``. Until the torch_npu implementations land, every op is
-declared to run the plain-PyTorch reference implementation on the NPU; the registry logs each such op.
+Importing this package fills ``OPS`` without importing ``torch_npu`` (``deepinfer.ops_ascend.npu``
+imports it at the first op call), so the registry and the layout tests can load the table on any host.
+
+Modules: ``norm`` (npu_rms_norm, npu_add_rms_norm, npu_swiglu), ``rope`` (npu_rotary_mul), ``cache``
+(the two-tensor paged cache, npu_scatter_pa_kv_cache), ``prefill`` / ``decode`` (FIA v2 TND, FIA MLA),
+``routing`` (npu_moe_gating_top_k), ``experts`` (npu_moe_init_routing_v2, npu_grouped_matmul,
+npu_swiglu, npu_moe_token_unpermute), ``sampling`` (the Ascend C kernel from ``csrc`` or torch),
+``graph`` (updating captured attention lengths), plus shared helpers (``fia``, ``host``, ``native``).
+``ep_dispatch`` / ``ep_combine`` run the reference's torch.distributed exchange (all_to_all_single, on the
+HCCL group here), and portable ops their reference implementation; activation logs each such op.
 """
 
-from deepinfer.backends.registry import OpTable, interface_ops
+from deepinfer.backends.registry import OpTable
 
 OPS = OpTable("deepinfer.ops_ascend")
-OPS.use_reference_for(
-    sorted(interface_ops()),
-    reason="no torch_npu implementation yet; the PyTorch reference runs on the NPU",
+
+from deepinfer.ops_ascend import (  # noqa: E402  (submodules register into OPS)
+    cache,
+    decode,
+    experts,
+    norm,
+    prefill,
+    rope,
+    routing,
+    sampling,
 )
+
+OPS.use_reference_for(
+    ["ep_dispatch", "ep_combine"],
+    reason="expert-parallel exchange is all_to_all_single over the HCCL group (the reference's torch.distributed "
+    "code, run on the NPU); the MC2 npu_moe_distribute_dispatch_v2/combine_v2 decode path is not implemented",
+)
+
+__all__ = ["OPS", "cache", "decode", "experts", "norm", "prefill", "rope", "routing", "sampling"]
