@@ -69,7 +69,7 @@ fi
 build_native() {  # $1 name, $2 source dir, $3 file glob, $4 toolchain check command, $5 missing message, $6 build cmd
   local name=$1 dir=$2 glob=$3 check=$4 missing=$5 cmd=$6
   local sources
-  sources=$(find "$dir" -name "$glob" 2>/dev/null | sort)
+  sources=$(find "$dir" -name "$glob" -not -path "*/build/*" 2>/dev/null | sort)
   if [ -z "$sources" ]; then
     say "$name: no native sources in $dir; nothing to build"
     return
