@@ -37,6 +37,11 @@ class EngineConfig(BaseModel):
         gt=0,
         description="cut prompt chunks so each step's predicted time fits; None: fixed-size chunks",
     )
+    graph_capture: bool = Field(
+        False,
+        description="replay decode steps from device graphs captured per padded batch size (CUDA/ACL graphs; "
+        "on cpu the wrapper re-runs eagerly)",
+    )
     async_scheduling: bool = Field(
         False, description="schedule step N+1 while step N computes (the scheduler runs one step ahead)"
     )

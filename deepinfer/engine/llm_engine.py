@@ -38,6 +38,7 @@ from deepinfer.sampling_params import SamplingParams
 from deepinfer.structured.manager import StructuredOutputs
 from deepinfer.tokenizer import Tokenizer
 from deepinfer.worker import calibration
+from deepinfer.worker.graphs import DecodeGraphs
 from deepinfer.worker.model_runner import ModelRunner, RunnerOutput
 from deepinfer.worker.spec_decode import ConfidenceHead, MTPProposer
 
@@ -83,9 +84,15 @@ class LLMEngine:
         c = self.model_config
         self.cache_spec = ops.kv_cache_spec(c.kv_lora_rank, c.qk_rope_head_dim, self.dtype)
         num_blocks = self._num_kv_blocks()
+        # Graph padding rows read and write one reserved block past the ones the manager hands out.
+        cache_blocks = num_blocks + 1 if config.graph_capture else num_blocks
         self.kv_caches = [
-            self.cache_spec.allocate(num_blocks, self.device) for _ in range(self.model.num_cache_layers)
+            self.cache_spec.allocate(cache_blocks, self.device) for _ in range(self.model.num_cache_layers)
         ]
+        if config.graph_capture:
+            for layer in self.kv_caches:
+                for tensor in layer:
+                    tensor.zero_()  # padding rows read the reserved block: keep it finite
         self.kv_cache = KVCacheManager(num_blocks, self.cache_spec.block_size, config.enable_prefix_caching)
         self.runner = ModelRunner(
             self.model,
@@ -95,6 +102,17 @@ class LLMEngine:
             self.eos_token_ids,
             self.platform.synchronize,
         )
+        if config.graph_capture:
+            self.runner.graphs = DecodeGraphs(
+                self.model,
+                self.kv_caches,
+                self.platform.graph,
+                config.max_num_seqs,
+                -(-self.max_model_len // self.cache_spec.block_size),
+                self.cache_spec.block_size,
+                num_blocks,
+                self.device,
+            )
         self.structured = StructuredOutputs(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
         self.runner.structured = self.structured
         self.num_draft_tokens = self._setup_speculation()

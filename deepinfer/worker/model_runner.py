@@ -23,6 +23,7 @@ from deepinfer.worker.sampler import SamplingRow, sample_rows, top_logprobs
 
 if TYPE_CHECKING:
     from deepinfer.structured.manager import StructuredOutputs
+    from deepinfer.worker.graphs import DecodeGraphs
     from deepinfer.worker.spec_decode import MTPProposer
 
 
@@ -84,6 +85,7 @@ class ModelRunner:
         self.synchronize = synchronize  # the platform's: waits for queued device work (timing)
         self.proposer: MTPProposer | None = None
         self.structured: StructuredOutputs | None = None
+        self.graphs: DecodeGraphs | None = None
 
     # ------------------------------------------------------------------ inputs
     def prepare(self, requests: Sequence[ScheduledRequest]) -> StepInputs:
@@ -155,7 +157,10 @@ class ModelRunner:
             masks = self.structured.start_masks(
                 [(r.request_id, first, drafts) for r, first, drafts in plan.spans], len(plan.rows)
             )
-        hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta, self.kv_caches)
+        if self.graphs is not None and self.graphs.applicable(inputs.meta, inputs.input_ids.shape[0]):
+            hidden = self.graphs.forward(inputs.input_ids, inputs.positions, inputs.meta)
+        else:
+            hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta, self.kv_caches)
         out = RunnerOutput()
         if plan.rows:
             self._sample_and_verify(plan, hidden, None if masks is None else masks.result(), out)

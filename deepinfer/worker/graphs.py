@@ -1,0 +1,109 @@
+"""Decode steps captured as device graphs (CUDA graphs, ACL graphs), one per padded batch size.
+
+A step where every request computes exactly one token runs the model forward by replaying a graph
+captured for the next batch size up (1, 2, 4, ... up to the most requests a step may hold). Inputs are
+copied into static buffers first; padding rows are requests of length one whose token is written to,
+and read from, a block reserved for padding, so they never touch real requests' cache. Captured
+lazily, on the first step of each size, through the platform's graph wrapper: on the CPU that wrapper
+re-runs the forward eagerly, which keeps this code path testable everywhere.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import Tensor
+
+from deepinfer.model.attn_metadata import AttentionMetadata, DecodeMetadata
+from deepinfer.model.deepseek_v3 import DeepseekV3ForCausalLM
+from deepinfer.platform.interface import GraphCapture
+
+
+def padded_sizes(max_batch: int) -> list[int]:
+    sizes, size = [], 1
+    while size < max_batch:
+        sizes.append(size)
+        size *= 2
+    return [*sizes, max_batch]
+
+
+class DecodeGraphs:
+    def __init__(
+        self,
+        model: DeepseekV3ForCausalLM,
+        kv_caches: Sequence[Sequence[Tensor]],
+        new_graph: Callable[[], GraphCapture],
+        max_batch: int,
+        max_blocks_per_request: int,
+        block_size: int,
+        pad_block: int,
+        device: torch.device,
+    ) -> None:
+        self.model = model
+        self.kv_caches = kv_caches
+        self.new_graph = new_graph
+        self.sizes = padded_sizes(max_batch)
+        self.block_size = block_size
+        self.pad_block = pad_block
+        pad_slot = pad_block * block_size
+        self.input_ids = torch.zeros(max_batch, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(max_batch, dtype=torch.int64, device=device)
+        self.slot_mapping = torch.full((max_batch,), pad_slot, dtype=torch.int64, device=device)
+        self.block_table = torch.full(
+            (max_batch, max_blocks_per_request), pad_block, dtype=torch.int32, device=device
+        )
+        self.seq_lens = torch.ones(max_batch, dtype=torch.int32, device=device)
+        self.query_start_loc = torch.arange(max_batch + 1, dtype=torch.int32, device=device)
+        self.graphs: dict[int, tuple[GraphCapture, Tensor]] = {}
+
+    def applicable(self, meta: AttentionMetadata, num_tokens: int) -> bool:
+        """True for a decode-only step (one token per request) that fits the largest graph."""
+        d = meta.decode
+        return (
+            meta.prefill is None and d is not None and d.max_query_len == 1 and num_tokens <= self.sizes[-1]
+        )
+
+    def forward(self, input_ids: Tensor, positions: Tensor, meta: AttentionMetadata) -> Tensor:
+        """The model's final hidden states [n, D] for a decode-only step, by graph replay."""
+        n = input_ids.shape[0]
+        size = next(s for s in self.sizes if s >= n)
+        if size not in self.graphs:
+            self.graphs[size] = self._capture(size)
+        d = meta.decode
+        width = d.block_table.shape[1]
+        self.input_ids[:n].copy_(input_ids)
+        self.positions[:n].copy_(positions)
+        self.slot_mapping[:n].copy_(meta.slot_mapping)
+        self.block_table[:n, :width].copy_(d.block_table)
+        self.seq_lens[:n].copy_(d.seq_lens)
+        self._reset_padding(n, size)
+        graph, hidden = self.graphs[size]
+        graph.replay()
+        return hidden[:n]
+
+    def _reset_padding(self, n: int, size: int) -> None:
+        self.input_ids[n:size].zero_()
+        self.positions[n:size].zero_()
+        self.slot_mapping[n:size].fill_(self.pad_block * self.block_size)
+        self.block_table[n:size].fill_(self.pad_block)
+        self.seq_lens[n:size].fill_(1)
+
+    def _capture(self, size: int) -> tuple[GraphCapture, Tensor]:
+        self._reset_padding(0, size)
+        meta = AttentionMetadata(
+            self.slot_mapping[:size],
+            DecodeMetadata(
+                num_tokens=size,
+                block_table=self.block_table[:size],
+                seq_lens=self.seq_lens[:size],
+                query_start_loc=self.query_start_loc[: size + 1],
+                max_query_len=1,
+            ),
+            None,
+        )
+        graph = self.new_graph()
+        hidden = graph.capture(
+            lambda: self.model(self.input_ids[:size], self.positions[:size], meta, self.kv_caches)
+        )
+        return graph, hidden
