@@ -76,7 +76,8 @@ def mla_decode(
     num_blocks = -(-int(seq_lens.max()) // block_size)
     span = num_blocks * block_size
     key_pos = torch.arange(span, device=device)
-    keys = cache[block_table[:, :num_blocks].long()].view(num_reqs, span, width).float()
+    blocks = block_table[:, :num_blocks].reshape(-1).long()
+    keys = cache.index_select(0, blocks).view(num_reqs, span, width).float()
     # Rows past a request's length may hold garbage (even NaN): zero them so masked products stay finite.
     stale_req, stale_pos = (key_pos[None, :] >= seq_lens[:, None]).nonzero(as_tuple=True)
     if stale_req.numel():
@@ -95,11 +96,12 @@ def mla_decode(
         padded[req_of_token, token_slot] = queries
     query_pos = (seq_lens - query_lens)[:, None] + torch.arange(max_query_len, device=device)[None, :]
 
-    scores = torch.einsum("bqhd,bsd->bqhs", padded, keys) * scale
+    rows = max_query_len * heads
+    scores = torch.bmm(padded.reshape(num_reqs, rows, width), keys.transpose(1, 2)).mul_(scale)
     mask = _allowed(query_pos, key_pos, seq_lens[:, None, None], sliding_window)
-    scores = scores.masked_fill(~mask[:, :, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1).nan_to_num_(0.0)
-    out = torch.einsum("bqhs,bsd->bqhd", probs, keys[..., :latent])
+    scores = scores.view(num_reqs, max_query_len, heads, span).masked_fill_(~mask[:, :, None, :], float("-inf"))
+    probs = torch.softmax(scores.view(num_reqs, rows, span), dim=-1).nan_to_num_(0.0)
+    out = torch.bmm(probs, keys[..., :latent]).view(num_reqs, max_query_len, heads, latent)
     if req_of_token is None:
         return out[:, 0].to(q_nope.dtype)
     return out[req_of_token, token_slot].to(q_nope.dtype)
