@@ -69,6 +69,10 @@ class OpTable:
         self._impls: dict[str, Callable[..., Any]] = {}
         self._fallbacks: dict[str, str] = {}
         self._final = False
+        # For backends whose graph-captured ops bake host-side values (Ascend FIA's sequence lengths):
+        # a factory of sessions with ``recording()`` (a context manager around capture) and
+        # ``update(seq_lens, query_start_loc)`` (host lists, called before each replay).
+        self.graph_session: Callable[[], Any] | None = None
 
     def implement(self, fn: Callable[..., Any]) -> Callable[..., Any]:
         """Decorator: register ``fn`` as this backend's implementation of the op named ``fn.__name__``."""

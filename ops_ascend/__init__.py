@@ -33,4 +33,14 @@ OPS.use_reference_for(
     "code, run on the NPU); the MC2 npu_moe_distribute_dispatch_v2/combine_v2 decode path is not implemented",
 )
 
+
+def _length_updater():
+    """Graph sessions for the model runner: captured FIA calls get their host lengths updated."""
+    from deepinfer.ops_ascend.graph import AttentionLengthUpdater
+
+    return AttentionLengthUpdater()
+
+
+OPS.graph_session = _length_updater
+
 __all__ = ["OPS", "cache", "decode", "experts", "norm", "prefill", "rope", "routing", "sampling"]

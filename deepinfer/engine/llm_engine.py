@@ -20,7 +20,7 @@ import torch
 
 from deepinfer import envs
 from deepinfer.backends import ops
-from deepinfer.backends.registry import activate
+from deepinfer.backends.registry import activate, active_ops
 from deepinfer.config import EngineConfig
 from deepinfer.engine.cost_model import StepCostModel
 from deepinfer.engine.kv_cache_manager import KVCacheManager
@@ -112,6 +112,7 @@ class LLMEngine:
                 self.cache_spec.block_size,
                 num_blocks,
                 self.device,
+                active_ops().graph_session,
             )
         self.structured = StructuredOutputs(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
         self.runner.structured = self.structured

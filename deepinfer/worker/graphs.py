@@ -11,6 +11,7 @@ re-runs the forward eagerly, which keeps this code path testable everywhere.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -39,6 +40,7 @@ class DecodeGraphs:
         block_size: int,
         pad_block: int,
         device: torch.device,
+        session_factory: Callable[[], Any] | None = None,
     ) -> None:
         self.model = model
         self.kv_caches = kv_caches
@@ -55,7 +57,8 @@ class DecodeGraphs:
         )
         self.seq_lens = torch.ones(max_batch, dtype=torch.int32, device=device)
         self.query_start_loc = torch.arange(max_batch + 1, dtype=torch.int32, device=device)
-        self.graphs: dict[int, tuple[GraphCapture, Tensor]] = {}
+        self.session_factory = session_factory  # the op backend's, when captures bake host values
+        self.graphs: dict[int, tuple[GraphCapture, Tensor, Any]] = {}
 
     def applicable(self, meta: AttentionMetadata, num_tokens: int) -> bool:
         """True for a decode-only step (one token per request) that fits the largest graph."""
@@ -78,7 +81,9 @@ class DecodeGraphs:
         self.block_table[:n, :width].copy_(d.block_table)
         self.seq_lens[:n].copy_(d.seq_lens)
         self._reset_padding(n, size)
-        graph, hidden = self.graphs[size]
+        graph, hidden, session = self.graphs[size]
+        if session is not None:
+            session.update(self.seq_lens[:size].tolist(), self.query_start_loc[: size + 1].tolist())
         graph.replay()
         return hidden[:n]
 
@@ -89,7 +94,7 @@ class DecodeGraphs:
         self.block_table[n:size].fill_(self.pad_block)
         self.seq_lens[n:size].fill_(1)
 
-    def _capture(self, size: int) -> tuple[GraphCapture, Tensor]:
+    def _capture(self, size: int) -> tuple[GraphCapture, Tensor, Any]:
         self._reset_padding(0, size)
         meta = AttentionMetadata(
             self.slot_mapping[:size],
@@ -103,7 +108,9 @@ class DecodeGraphs:
             None,
         )
         graph = self.new_graph()
-        hidden = graph.capture(
-            lambda: self.model(self.input_ids[:size], self.positions[:size], meta, self.kv_caches)
-        )
-        return graph, hidden
+        session = self.session_factory() if self.session_factory is not None else None
+        with session.recording() if session is not None else contextlib.nullcontext():
+            hidden = graph.capture(
+                lambda: self.model(self.input_ids[:size], self.positions[:size], meta, self.kv_caches)
+            )
+        return graph, hidden, session
