@@ -10,6 +10,7 @@ re-runs the forward eagerly, which keeps this code path testable everywhere.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
