@@ -15,7 +15,8 @@ class StopStringBuffer:
     """Accumulates text and releases what can no longer turn into a stop string.
 
     ``push`` returns the newly releasable text; ``finish`` cuts the text at the stop string that
-    ended the request (if any) and returns the rest. The released deltas concatenate to ``text``.
+    ended the request (if any) and returns the rest (``settle`` instead takes the final text as
+    given). The released deltas concatenate to ``text``.
     """
 
     def __init__(self, stop: Sequence[str] = ()) -> None:
@@ -48,6 +49,12 @@ class StopStringBuffer:
             if at >= 0:
                 self.text = self.text[:at]
         return self._release(len(self.text))
+
+    def settle(self, final_text: str) -> str:
+        """End with the authoritative final text (which extends what was released): for callers
+        whose source already cut the stop string off. Returns the rest."""
+        self.text = final_text
+        return self._release(len(final_text))
 
     def _release(self, end: int) -> str:
         if end <= self.released:

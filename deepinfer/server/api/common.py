@@ -1,0 +1,183 @@
+"""What the API modules share: encoding a conversation, tool and thinking options, and answering
+with a JSON body or an event stream through a :class:`Renderer`.
+
+Each API is an adapter (its request -> recipe messages, tools, ``SamplingParams``) plus a renderer
+(:class:`~deepinfer.server.generation.ChoiceUpdate` s -> its own JSON and SSE events); the engine
+request, parsing, usage, disconnect handling and error mapping happen here and in ``generation``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncGenerator, Sequence
+from contextlib import aclosing
+from dataclasses import dataclass
+from typing import Annotated, Any, Protocol
+
+from fastapi import Depends, Request
+from fastapi.responses import JSONResponse, Response
+
+from deepinfer.logger import get_logger
+from deepinfer.recipe import Message, ToolSpec
+from deepinfer.server.async_engine import EngineDead
+from deepinfer.server.context import ServingContext
+from deepinfer.server.errors import ApiError
+from deepinfer.server.generation import ChoiceUpdate, Updates, Usage
+from deepinfer.server.protocol.common import CompletionTokensDetails, OpenAIUsage, PromptTokensDetails
+from deepinfer.server.sse import EventStreamResponse
+
+logger = get_logger(__name__)
+
+
+def serving_context(request: Request) -> ServingContext:
+    """FastAPI dependency: the context of the app serving this request."""
+    return request.app.state.serving
+
+
+Serving = Annotated[ServingContext, Depends(serving_context)]
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}{uuid.uuid4().hex}"
+
+
+def openai_usage(usage: Usage) -> OpenAIUsage:
+    """Usage in OpenAI's Chat Completions / Completions shape."""
+    return OpenAIUsage(
+        prompt_tokens=usage.prompt_tokens,
+        completion_tokens=usage.completion_tokens,
+        total_tokens=usage.total_tokens,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=usage.cached_tokens),
+        completion_tokens_details=CompletionTokensDetails(reasoning_tokens=usage.reasoning_tokens),
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class ChatFields:
+    """Names of a chat API's fields, for error messages."""
+
+    messages: str
+    tools: str
+    tool_choice: str
+    thinking: str
+
+
+def offered_tools(tools: list[ToolSpec], choice: str | None, fields: ChatFields) -> list[ToolSpec]:
+    """The tools to describe in the prompt under ``tool_choice`` (``none`` hides them; forcing a
+    call cannot be honoured without constrained decoding, so it is refused)."""
+    if choice == "none":
+        return []
+    if choice in (None, "auto"):
+        return tools
+    raise ApiError(
+        400,
+        f"{fields.tool_choice}={choice!r} is not supported: this server cannot force a tool call "
+        "(no constrained decoding); use 'auto' or 'none'",
+        param=fields.tool_choice,
+    )
+
+
+def output_schema(
+    kind: str, schema: dict[str, Any] | None, param: str, thinking: bool, tools: list[ToolSpec]
+) -> dict[str, Any] | None:
+    """The JSON schema a response format constrains the answer to (``None``: free text). The
+    constraint holds from the first generated token, so it excludes thinking and tool calls."""
+    if kind == "text":
+        return None
+    if thinking:
+        raise ApiError(
+            400,
+            f"{param}={kind!r} needs non-thinking mode (the constraint starts at the first token)",
+            param=param,
+        )
+    if tools:
+        raise ApiError(
+            400,
+            f"{param}={kind!r} cannot be combined with tools (a JSON answer has no tool calls)",
+            param=param,
+        )
+    if kind == "json_object":
+        return {"type": "object"}
+    if schema is None:
+        raise ApiError(400, f"{param}: a json_schema format needs its schema", param=param)
+    return schema
+
+
+async def encode_conversation(
+    ctx: ServingContext,
+    messages: Sequence[Message],
+    tools: list[ToolSpec],
+    thinking: bool,
+    fields: ChatFields,
+) -> list[int]:
+    """Prompt token ids of a conversation (encoded off the event loop)."""
+    recipe = ctx.chat_recipe()
+    if thinking and not recipe.supports_thinking:
+        raise ApiError(400, f"{fields.thinking}: this model has no thinking mode", param=fields.thinking)
+    if tools and not recipe.supports_tools:
+        raise ApiError(400, f"{fields.tools}: this model has no tool-call tokens", param=fields.tools)
+    try:
+        return await asyncio.to_thread(recipe.encode_chat, messages, tools, thinking)
+    except ValueError as exc:
+        raise ApiError(400, f"{fields.messages}: {exc}", param=fields.messages) from None
+
+
+class Renderer(Protocol):
+    """Turns a run into one API's response: a JSON body, or SSE events (each method returns the
+    encoded events to send)."""
+
+    def start(self) -> list[str]: ...
+
+    def update(self, update: ChoiceUpdate) -> list[str]: ...
+
+    def end(self, usage: Usage) -> list[str]: ...
+
+    def error(self, error: ApiError) -> list[str]: ...
+
+    def response(self) -> dict[str, Any]: ...
+
+
+def as_api_error(exc: Exception) -> ApiError:
+    """The error a caller sees for a failure while its request ran."""
+    if isinstance(exc, ApiError):
+        return exc
+    if isinstance(exc, EngineDead):
+        return ApiError(503, str(exc))
+    if isinstance(exc, ValueError):  # the engine refused the request
+        return ApiError(400, str(exc))
+    logger.error("request failed", exc_info=exc)
+    return ApiError(500, f"internal error: {type(exc).__name__}")
+
+
+async def respond(request: Request, run: Updates, renderer: Renderer, stream: bool) -> Response:
+    """Answer with the finished response, or stream it as it is generated."""
+    if stream:
+        try:
+            await run.accepted()  # a request the engine refuses still gets its 4xx status, not a 200
+        except Exception as exc:
+            run.close()
+            raise as_api_error(exc) from None
+        except BaseException:
+            run.close()
+            raise
+        return EventStreamResponse(_events(run, renderer), on_close=run.close)
+    try:
+        await run.collect(request)
+    except Exception as exc:
+        raise as_api_error(exc) from None
+    return JSONResponse(renderer.response())
+
+
+async def _events(run: Updates, renderer: Renderer) -> AsyncGenerator[str, None]:
+    try:
+        if head := "".join(renderer.start()):
+            yield head
+        async with aclosing(run.updates()) as updates:
+            async for step in updates:
+                events = [e for update in step for e in renderer.update(update)]
+                if events:
+                    yield "".join(events)
+        yield "".join(renderer.end(run.usage))
+    except Exception as exc:
+        yield "".join(renderer.error(as_api_error(exc)))

@@ -1,0 +1,151 @@
+"""Prometheus metrics of the server (``GET /metrics``).
+
+Engine state (running / waiting requests, KV-cache usage, prefix-cache hits) is read at scrape time
+from the engine thread's last :class:`~deepinfer.server.async_engine.EngineStats`; request latencies
+and token counts are recorded as each request progresses (:class:`RequestMeter`). Each server owns
+its registry, so several servers can live in one process (tests).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from deepinfer.outputs import RequestOutput
+from deepinfer.server.async_engine import EngineStats
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0)
+REQUEST_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0)
+
+
+class _EngineCollector(Collector):
+    def __init__(self, stats: Callable[[], EngineStats], in_flight: Callable[[], int]) -> None:
+        self._stats = stats
+        self._in_flight = in_flight
+
+    def collect(self) -> Iterator[Metric]:
+        s = self._stats()
+        yield GaugeMetricFamily(
+            "deepinfer_num_requests_running", "Requests in the engine's running batch", value=s.num_running
+        )
+        yield GaugeMetricFamily(
+            "deepinfer_num_requests_waiting", "Requests waiting in the engine's queue", value=s.num_waiting
+        )
+        yield GaugeMetricFamily(
+            "deepinfer_num_requests_in_flight",
+            "Requests admitted by the server, not finished",
+            value=self._in_flight(),
+        )
+        yield GaugeMetricFamily(
+            "deepinfer_kv_cache_usage_ratio",
+            "Share of KV-cache blocks held by requests (0..1)",
+            value=s.kv_cache_usage,
+        )
+        yield CounterMetricFamily(
+            "deepinfer_prefix_cache_queries",
+            "Prompt tokens looked up in the prefix cache",
+            value=s.prefix_queries,
+        )
+        yield CounterMetricFamily(
+            "deepinfer_prefix_cache_hits", "Prompt tokens found in the prefix cache", value=s.prefix_hits
+        )
+        rate = s.prefix_hits / s.prefix_queries if s.prefix_queries else 0.0
+        yield GaugeMetricFamily(
+            "deepinfer_prefix_cache_hit_rate", "Prefix-cache hits / queries since start", value=rate
+        )
+
+
+class ServerMetrics:
+    """The server's registry and the per-request instruments."""
+
+    def __init__(self, stats: Callable[[], EngineStats], in_flight: Callable[[], int]) -> None:
+        self.registry = CollectorRegistry()
+        self.registry.register(_EngineCollector(stats, in_flight))
+        r = self.registry
+        self.ttft = Histogram(
+            "deepinfer_time_to_first_token_seconds",
+            "Time to first token",
+            buckets=(*LATENCY_BUCKETS, 20.0, 40.0, 80.0),
+            registry=r,
+        )
+        self.inter_token = Histogram(
+            "deepinfer_inter_token_latency_seconds",
+            "Time between output tokens",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "deepinfer_e2e_request_latency_seconds",
+            "Arrival to last token",
+            buckets=REQUEST_BUCKETS,
+            registry=r,
+        )
+        self.prompt_tokens = Counter(
+            "deepinfer_prompt_tokens", "Prompt tokens of finished requests", registry=r
+        )
+        self.cached_tokens = Counter(
+            "deepinfer_cached_prompt_tokens", "Prompt tokens served from the prefix cache", registry=r
+        )
+        self.generation_tokens = Counter("deepinfer_generation_tokens", "Generated tokens", registry=r)
+        self.requests = Counter(
+            "deepinfer_requests", "Requests that ended, by finish reason", ["finish_reason"], registry=r
+        )
+        self.rejected = Counter(
+            "deepinfer_requests_rejected", "Requests refused because the queue was full", registry=r
+        )
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+    def meter(self) -> RequestMeter:
+        return RequestMeter(self)
+
+
+class RequestMeter:
+    """Records one request's latencies and token counts from the outputs it produced."""
+
+    def __init__(self, metrics: ServerMetrics) -> None:
+        self._m = metrics
+        self._last: RequestOutput | None = None
+        self._generated = 0
+        self._last_time: float | None = None
+        self._closed = False
+
+    def observe(self, output: RequestOutput) -> None:
+        generated = sum(len(c.token_ids) for c in output.outputs)
+        new = generated - self._generated
+        now = time.monotonic()
+        if new > 0:
+            if self._generated == 0 and output.metrics.ttft is not None:
+                self._m.ttft.observe(output.metrics.ttft)
+            elif self._last_time is not None:
+                gap = (now - self._last_time) / new
+                for _ in range(new):
+                    self._m.inter_token.observe(gap)
+            self._last_time = now
+        self._generated = generated
+        self._last = output
+
+    def close(self) -> None:
+        """The request ended (finished, failed or abandoned): count it (once)."""
+        if self._closed:
+            return
+        self._closed = True
+        last = self._last
+        if last is None:
+            self._m.requests.labels(finish_reason="abort").inc()
+            return
+        self._m.prompt_tokens.inc(len(last.prompt_token_ids))
+        self._m.cached_tokens.inc(last.num_cached_tokens)
+        self._m.generation_tokens.inc(self._generated)
+        reasons = {c.finish_reason or "abort" for c in last.outputs}
+        for reason in reasons:
+            self._m.requests.labels(finish_reason=reason).inc()
+        m = last.metrics
+        if last.finished and m.finished_time is not None:
+            self._m.e2e.observe(m.finished_time - m.arrival_time)

@@ -1,0 +1,126 @@
+"""Anthropic Messages (``POST /v1/messages``): request, response message and content blocks.
+
+Thinking mode is on with ``thinking: {"type": "enabled", ...}``; the reasoning comes back as a
+``thinking`` block (with an empty signature: it is not signed). ``usage.input_tokens`` counts the
+prompt tokens that were not served from the prefix cache; those are ``cache_read_input_tokens``.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import Field
+
+from deepinfer.server.protocol.common import RequestModel, ResponseModel, StopString
+
+
+class TextBlock(RequestModel):
+    type: Literal["text"]
+    text: str
+
+
+class ToolUseBlock(RequestModel):
+    type: Literal["tool_use"]
+    id: str
+    name: str
+    input: dict[str, Any]
+
+
+class ToolResultBlock(RequestModel):
+    type: Literal["tool_result"]
+    tool_use_id: str
+    content: str | list[TextBlock] = ""
+    is_error: bool | None = None
+
+
+class ThinkingBlock(RequestModel):
+    """Thinking of an earlier turn: accepted and dropped (DeepSeek does not re-read it)."""
+
+    type: Literal["thinking", "redacted_thinking"]
+
+
+ContentBlock = Annotated[
+    TextBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock, Field(discriminator="type")
+]
+
+
+class Message(RequestModel):
+    role: Literal["user", "assistant"]
+    content: str | list[ContentBlock]
+
+
+class ToolDefinition(RequestModel):
+    name: str = Field(min_length=1, max_length=128)
+    description: str | None = None
+    input_schema: dict[str, Any]
+
+
+class ToolChoice(RequestModel):
+    type: Literal["auto", "any", "tool", "none"]
+    name: str | None = None
+    disable_parallel_tool_use: bool | None = None
+
+
+class ThinkingEnabled(RequestModel):
+    type: Literal["enabled"]
+    budget_tokens: int = Field(ge=1)
+
+
+class ThinkingDisabled(RequestModel):
+    type: Literal["disabled"]
+
+
+class MessagesRequest(RequestModel):
+    model: str
+    max_tokens: int = Field(ge=1)
+    messages: list[Message] = Field(min_length=1)
+    system: str | list[TextBlock] | None = None
+    temperature: float | None = Field(None, ge=0.0, le=1.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=0)
+    stop_sequences: list[StopString] | None = None
+    stream: bool | None = False
+    tools: list[ToolDefinition] | None = None
+    tool_choice: ToolChoice | None = None
+    thinking: Annotated[ThinkingEnabled | ThinkingDisabled, Field(discriminator="type")] | None = None
+    metadata: dict[str, Any] | None = None
+
+
+# ---------------------------------------------------------------------------------- responses
+class TextOut(ResponseModel):
+    type: Literal["text"] = "text"
+    text: str
+
+
+class ThinkingOut(ResponseModel):
+    type: Literal["thinking"] = "thinking"
+    thinking: str
+    signature: str = ""
+
+
+class ToolUseOut(ResponseModel):
+    type: Literal["tool_use"] = "tool_use"
+    id: str
+    name: str
+    input: dict[str, Any]
+
+
+class MessagesUsage(ResponseModel):
+    input_tokens: int
+    output_tokens: int
+    cache_read_input_tokens: int
+    cache_creation_input_tokens: int = 0
+
+
+StopReason = Literal["end_turn", "max_tokens", "stop_sequence", "tool_use"]
+
+
+class MessageResponse(ResponseModel):
+    id: str
+    type: Literal["message"] = "message"
+    role: Literal["assistant"] = "assistant"
+    model: str
+    content: list[TextOut | ThinkingOut | ToolUseOut]
+    stop_reason: StopReason | None
+    stop_sequence: str | None = None
+    usage: MessagesUsage
