@@ -304,3 +304,46 @@ def test_refused_constraints_are_400_even_when_streaming(openai_client: openai.O
             reasoning_effort="high",
         )
     assert info.value.body["param"] == "response_format"
+
+
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Current weather of a city",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"enum": ["Paris", "Lyon", "Nice"]},
+                "days": {"type": "integer", "minimum": 1, "maximum": 7},
+            },
+            "required": ["city", "days"],
+        },
+    },
+}
+CLOCK_TOOL = {
+    "type": "function",
+    "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}},
+}
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
+def test_forced_tool_calls_return_valid_arguments(openai_client: openai.OpenAI, choice) -> None:
+    """tool_choice "required" or a named tool constrains the random model to a well-formed call."""
+    for seed in range(3):
+        reply = openai_client.chat.completions.create(
+            model=MODEL_NAME,
+            messages=[{"role": "user", "content": "Weather in Paris for three days?"}],
+            tools=[WEATHER_TOOL, CLOCK_TOOL],
+            tool_choice=choice,
+            temperature=1.0,
+            seed=seed,
+            max_tokens=60,
+        )
+        calls = reply.choices[0].message.tool_calls
+        assert reply.choices[0].finish_reason == "tool_calls" and len(calls) == 1
+        args = json.loads(calls[0].function.arguments)
+        if calls[0].function.name == "get_weather":
+            assert args["city"] in ("Paris", "Lyon", "Nice") and 1 <= args["days"] <= 7
+        else:
+            assert choice == "required" and args == {}

@@ -23,6 +23,7 @@ from deepinfer.server.api.common import (
     ChatFields,
     Serving,
     encode_conversation,
+    forced_tool_grammar,
     new_id,
     offered_tools,
     openai_usage,
@@ -123,6 +124,7 @@ async def create_chat_completion(body: p.ChatCompletionRequest, request: Request
             "max_tokens": body.max_completion_tokens or body.max_tokens,
             "logprobs": top_logprobs if body.logprobs else None,
             "json_schema": _output_schema(body, thinking, tools),
+            "grammar": forced_tool_grammar(ctx, tools, choice, thinking, CHAT_FIELDS),
         },
         fields,
     )

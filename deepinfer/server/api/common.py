@@ -20,12 +20,22 @@ from fastapi.responses import JSONResponse, Response
 
 from deepinfer.logger import get_logger
 from deepinfer.recipe import Message, ToolSpec
+from deepinfer.recipe import tokens as T
 from deepinfer.server.async_engine import EngineDead
 from deepinfer.server.context import ServingContext
 from deepinfer.server.errors import ApiError
 from deepinfer.server.generation import ChoiceUpdate, Updates, Usage
 from deepinfer.server.protocol.common import CompletionTokensDetails, OpenAIUsage, PromptTokensDetails
 from deepinfer.server.sse import EventStreamResponse
+from deepinfer.structured.tool_calls import tool_call_grammar
+
+TOOL_CALL_MARKERS = {
+    "tool_calls_begin": T.TOOL_CALLS_BEGIN,
+    "tool_call_begin": T.TOOL_CALL_BEGIN,
+    "tool_sep": T.TOOL_SEP,
+    "tool_call_end": T.TOOL_CALL_END,
+    "tool_calls_end": T.TOOL_CALLS_END,
+}
 
 logger = get_logger(__name__)
 
@@ -64,18 +74,48 @@ class ChatFields:
 
 
 def offered_tools(tools: list[ToolSpec], choice: str | None, fields: ChatFields) -> list[ToolSpec]:
-    """The tools to describe in the prompt under ``tool_choice`` (``none`` hides them; forcing a
-    call cannot be honoured without constrained decoding, so it is refused)."""
+    """The tools to describe in the prompt under ``tool_choice``: none for ``none``, all of them
+    otherwise (a named tool must be one of them)."""
     if choice == "none":
         return []
-    if choice in (None, "auto"):
-        return tools
-    raise ApiError(
-        400,
-        f"{fields.tool_choice}={choice!r} is not supported: this server cannot force a tool call "
-        "(no constrained decoding); use 'auto' or 'none'",
-        param=fields.tool_choice,
-    )
+    if choice is not None and choice.startswith("function:"):
+        name = choice.removeprefix("function:")
+        if name not in {t.name for t in tools}:
+            raise ApiError(
+                400,
+                f"{fields.tool_choice} names {name!r}, which is not in {fields.tools}",
+                param=fields.tool_choice,
+            )
+    elif choice not in (None, "auto", "required"):
+        raise ApiError(400, f"{fields.tool_choice}={choice!r} is not supported", param=fields.tool_choice)
+    return tools
+
+
+def forced_tool_grammar(
+    ctx: ServingContext, tools: list[ToolSpec], choice: str | None, thinking: bool, fields: ChatFields
+) -> str | None:
+    """For ``tool_choice`` "required" or a named tool: a grammar that makes the answer one call in
+    DeepSeek's tool-call format, its arguments constrained by the tool's parameters schema."""
+    if choice != "required" and not (choice or "").startswith("function:"):
+        return None
+    if not tools:
+        raise ApiError(400, f"{fields.tool_choice}={choice!r} needs {fields.tools}", param=fields.tool_choice)
+    if thinking:
+        raise ApiError(
+            400,
+            f"{fields.tool_choice}={choice!r} needs non-thinking mode (the call starts at the first token)",
+            param=fields.tool_choice,
+        )
+    if choice.startswith("function:"):
+        tools = [t for t in tools if t.name == choice.removeprefix("function:")]
+    tokenizer = ctx.chat_recipe().tokenizer
+    ids = {name: tokenizer.token_to_id(marker) for name, marker in TOOL_CALL_MARKERS.items()}
+    try:
+        return tool_call_grammar(
+            [(t.name, t.parameters) for t in tools], {k: v for k, v in ids.items() if v is not None}
+        )
+    except ValueError as exc:
+        raise ApiError(400, f"{fields.tool_choice}: {exc}", param=fields.tool_choice) from None
 
 
 def output_schema(

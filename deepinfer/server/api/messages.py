@@ -31,6 +31,7 @@ from deepinfer.server.api.common import (
     ChatFields,
     Serving,
     encode_conversation,
+    forced_tool_grammar,
     new_id,
     offered_tools,
     respond,
@@ -111,11 +112,26 @@ def tool_input(block: Block) -> dict[str, Any]:
     return value
 
 
+def _tool_choice(choice: p.ToolChoice | None) -> str | None:
+    """Anthropic's tool_choice in the shared vocabulary: auto, none, required, function:NAME."""
+    if choice is None:
+        return None
+    if choice.type == "any":
+        return "required"
+    if choice.type == "tool":
+        if not choice.name:
+            raise ApiError(
+                400, "tool_choice.name is required when tool_choice.type is 'tool'", param="tool_choice.name"
+            )
+        return f"function:{choice.name}"
+    return choice.type
+
+
 @router.post("/v1/messages", response_model=p.MessageResponse)
 async def create_message(body: p.MessagesRequest, request: Request, ctx: Serving) -> Response:
     """Create a message (Anthropic Messages); ``stream: true`` streams its events as SSE."""
     ctx.check_model(body.model)
-    choice = body.tool_choice.type if body.tool_choice is not None else None
+    choice = _tool_choice(body.tool_choice)
     specs = [
         ToolSpec(name=t.name, description=t.description or "", parameters=t.input_schema)
         for t in body.tools or ()
@@ -129,6 +145,7 @@ async def create_message(body: p.MessagesRequest, request: Request, ctx: Serving
             "top_k": body.top_k,
             "stop": body.stop_sequences,
             "max_tokens": body.max_tokens,
+            "grammar": forced_tool_grammar(ctx, tools, choice, thinking, CHAT_FIELDS),
         },
         FIELDS,
     )

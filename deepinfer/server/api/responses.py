@@ -31,6 +31,7 @@ from deepinfer.server.api.common import (
     ChatFields,
     Serving,
     encode_conversation,
+    forced_tool_grammar,
     new_id,
     offered_tools,
     output_schema,
@@ -109,6 +110,7 @@ async def create_response(body: p.ResponsesRequest, request: Request, ctx: Servi
             "top_p": body.top_p,
             "max_tokens": body.max_output_tokens,
             "json_schema": schema,
+            "grammar": forced_tool_grammar(ctx, tools, choice, thinking, CHAT_FIELDS),
         },
         FIELDS,
     )
