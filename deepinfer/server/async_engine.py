@@ -20,9 +20,10 @@ import contextlib
 import itertools
 import threading
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
+from deepinfer.engine.spec_stats import SpecDecodeStats
 from deepinfer.logger import get_logger
 from deepinfer.outputs import RequestOutput
 from deepinfer.sampling_params import SamplingParams
@@ -51,6 +52,7 @@ class EngineStats:
     num_free_blocks: int = 0
     prefix_queries: int = 0  # prompt tokens looked up in the prefix cache, since start
     prefix_hits: int = 0  # of which found
+    spec: SpecDecodeStats = field(default_factory=SpecDecodeStats)  # speculative decoding, since start
 
     @property
     def kv_cache_usage(self) -> float:
@@ -291,4 +293,5 @@ class AsyncEngine:
             num_free_blocks=kv.num_free_blocks,
             prefix_queries=kv.prefix_queries,
             prefix_hits=kv.prefix_hits,
+            spec=replace(engine.spec_stats),
         )

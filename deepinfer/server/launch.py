@@ -54,6 +54,20 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     parser.add_argument("--kv-cache-memory-gib", type=float, help="KV-cache size (default: most free memory)")
     parser.add_argument(
+        "--speculative",
+        choices=["mtp", "mtp-confidence"],
+        help="speculative decoding with the model's MTP layer",
+    )
+    parser.add_argument(
+        "--num-draft-tokens", type=int, help="drafts per request per step (default: MTP layers)"
+    )
+    parser.add_argument(
+        "--step-time-budget-ms",
+        type=float,
+        help="cut prompt chunks to this predicted step time (default: off)",
+    )
+    parser.add_argument("--async-scheduling", action="store_true", help="plan step N+1 while step N computes")
+    parser.add_argument(
         "--log-level",
         default=_default(ServerConfig, "log_level"),
         choices=["debug", "info", "warning", "error"],
@@ -75,6 +89,10 @@ def serve(args: argparse.Namespace) -> int:
         "dtype": args.dtype,
         "accelerator": args.accelerator,
         "kv_cache_memory_gib": args.kv_cache_memory_gib,
+        "speculative": args.speculative,
+        "num_draft_tokens": args.num_draft_tokens,
+        "step_time_budget_ms": args.step_time_budget_ms,
+        "async_scheduling": args.async_scheduling or None,
     }
     engine_config = EngineConfig(
         model=str(model), **{k: v for k, v in engine_options.items() if v is not None}

@@ -58,6 +58,22 @@ class _EngineCollector(Collector):
         yield GaugeMetricFamily(
             "deepinfer_prefix_cache_hit_rate", "Prefix-cache hits / queries since start", value=rate
         )
+        spec = s.spec
+        for name, help_text, value in (
+            ("draft_tokens", "Speculative draft tokens proposed", spec.draft_tokens),
+            (
+                "verified_tokens",
+                "Speculative draft tokens verified by the target model",
+                spec.verified_tokens,
+            ),
+            ("accepted_tokens", "Speculative draft tokens accepted", spec.accepted_tokens),
+        ):
+            yield CounterMetricFamily(f"deepinfer_spec_decode_{name}", help_text, value=value)
+        yield GaugeMetricFamily(
+            "deepinfer_spec_decode_mean_accepted_length",
+            "Tokens emitted per request per step (accepted drafts + 1; 1 without speculation), since start",
+            value=spec.mean_accepted_len,
+        )
 
 
 class ServerMetrics:
