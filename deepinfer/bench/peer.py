@@ -23,6 +23,7 @@ from deepinfer.tokenizer import Tokenizer
 DRIVERS = {
     "deepinfer": "deepinfer.bench.peers.deepinfer_driver",
     "transformers": "deepinfer.bench.peers.hf_transformers",
+    "vllm": "deepinfer.bench.peers.vllm_cpu",
 }
 
 
