@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from deepinfer.backends.collectives import all_to_all, world_size
 from deepinfer.backends.ops import EPDispatch
 from deepinfer.ops_cuda import OPS
 from deepinfer.ops_cuda.moe import combine_pairs, inverse_order
@@ -31,16 +32,6 @@ class _Handle:
     recv_splits: list[int]
 
 
-def _world(group: Any | None) -> int:
-    return 1 if group is None else dist.get_world_size(group)
-
-
-def _all_to_all(payload: Tensor, send_splits: list[int], recv_splits: list[int], group: Any) -> Tensor:
-    out = payload.new_empty((sum(recv_splits), *payload.shape[1:]))
-    dist.all_to_all_single(out, payload.contiguous(), recv_splits, send_splits, group=group)
-    return out
-
-
 @OPS.implement
 def ep_dispatch(
     hidden: Tensor,
@@ -51,7 +42,7 @@ def ep_dispatch(
 ) -> EPDispatch:
     """hidden: [T, D]; topk_ids: [T, k] global expert ids; topk_weights: [T, k] float32. Collective."""
     check_device(hidden, topk_ids, topk_weights)
-    world = _world(group)
+    world = world_size(group)
     if num_experts % world:
         raise ValueError(f"{num_experts} experts cannot be split evenly over {world} ranks")
     per_rank = num_experts // world
@@ -74,8 +65,8 @@ def ep_dispatch(
         recv_counts = torch.empty_like(send_counts)
         dist.all_to_all_single(recv_counts, send_counts, group=group)
         send_splits, recv_splits = torch.stack((send_counts, recv_counts)).tolist()
-        recv_hidden = _all_to_all(send_hidden, send_splits, recv_splits, group)
-        recv_meta = _all_to_all(meta, send_splits, recv_splits, group)
+        recv_hidden = all_to_all(send_hidden, send_splits, recv_splits, group)
+        recv_meta = all_to_all(meta, send_splits, recv_splits, group)
     handle = _Handle(inverse_order(order).view_as(topk_ids), weights, send_splits, recv_splits)
     return EPDispatch(
         recv_hidden, recv_meta[:, 0].contiguous(), recv_meta[:, 1].contiguous().view(torch.float32), handle
@@ -88,6 +79,6 @@ def ep_combine(expert_out: Tensor, dispatch: EPDispatch, group: Any | None) -> T
     check_device(expert_out)
     handle: _Handle = dispatch.handle
     returned = expert_out
-    if _world(group) > 1:
-        returned = _all_to_all(expert_out, handle.recv_splits, handle.send_splits, group)
+    if world_size(group) > 1:
+        returned = all_to_all(expert_out, handle.recv_splits, handle.send_splits, group)
     return combine_pairs(returned, handle.row_of_pair, handle.weights)

@@ -99,7 +99,9 @@ def mla_decode(
     rows = max_query_len * heads
     scores = torch.bmm(padded.reshape(num_reqs, rows, width), keys.transpose(1, 2)).mul_(scale)
     mask = _allowed(query_pos, key_pos, seq_lens[:, None, None], sliding_window)
-    scores = scores.view(num_reqs, max_query_len, heads, span).masked_fill_(~mask[:, :, None, :], float("-inf"))
+    scores = scores.view(num_reqs, max_query_len, heads, span).masked_fill_(
+        ~mask[:, :, None, :], float("-inf")
+    )
     probs = torch.softmax(scores.view(num_reqs, rows, span), dim=-1).nan_to_num_(0.0)
     out = torch.bmm(probs, keys[..., :latent]).view(num_reqs, max_query_len, heads, latent)
     if req_of_token is None:

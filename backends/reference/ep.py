@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from deepinfer.backends.collectives import all_to_all, world_size
 from deepinfer.backends.ops import EPDispatch
 from deepinfer.backends.reference import OPS
 
@@ -25,16 +26,6 @@ class _Handle:
     num_tokens: int
 
 
-def _world(group: Any | None) -> int:
-    return 1 if group is None else dist.get_world_size(group)
-
-
-def _exchange(payload: Tensor, send_splits: list[int], recv_splits: list[int], group: Any) -> Tensor:
-    out = payload.new_empty((sum(recv_splits), *payload.shape[1:]))
-    dist.all_to_all_single(out, payload.contiguous(), recv_splits, send_splits, group=group)
-    return out
-
-
 @OPS.implement
 def ep_dispatch(
     hidden: Tensor,
@@ -43,7 +34,7 @@ def ep_dispatch(
     num_experts: int,
     group: Any | None,
 ) -> EPDispatch:
-    world = _world(group)
+    world = world_size(group)
     if num_experts % world:
         raise ValueError(f"{num_experts} experts cannot be split evenly over {world} ranks")
     per_rank = num_experts // world
@@ -65,9 +56,9 @@ def ep_dispatch(
         recv_counts = torch.empty_like(counts)
         dist.all_to_all_single(recv_counts, counts, group=group)
         recv_splits = recv_counts.tolist()
-        recv_hidden = _exchange(send_hidden, send_splits, recv_splits, group)
-        recv_experts = _exchange(send_experts, send_splits, recv_splits, group)
-        recv_weights = _exchange(send_weights, send_splits, recv_splits, group)
+        recv_hidden = all_to_all(send_hidden, send_splits, recv_splits, group)
+        recv_experts = all_to_all(send_experts, send_splits, recv_splits, group)
+        recv_weights = all_to_all(send_weights, send_splits, recv_splits, group)
     handle = _Handle(token_of_pair, send_splits, recv_splits, num_tokens)
     return EPDispatch(recv_hidden, recv_experts.to(torch.int32), recv_weights, handle)
 
@@ -76,8 +67,8 @@ def ep_dispatch(
 def ep_combine(expert_out: Tensor, dispatch: EPDispatch, group: Any | None) -> Tensor:
     handle: _Handle = dispatch.handle
     weighted = expert_out.float() * dispatch.weights[:, None]
-    if _world(group) > 1:
-        weighted = _exchange(weighted, handle.recv_splits, handle.send_splits, group)
+    if world_size(group) > 1:
+        weighted = all_to_all(weighted, handle.recv_splits, handle.send_splits, group)
     out = torch.zeros(handle.num_tokens, expert_out.shape[1], dtype=torch.float32, device=expert_out.device)
     out.index_add_(0, handle.token_of_pair, weighted)
     return out.to(expert_out.dtype)
