@@ -144,6 +144,10 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
         ("offline", "throughput of a seeded workload submitted at once"),
         ("peer", "deepinfer and a peer engine on the same model and prompts, alternating"),
         ("pareto", "per-user vs per-chip tokens/s over a range of concurrency levels"),
+        (
+            "serve",
+            "Poisson load against deepinfer serve (started here, or --url): TTFT, TPOT, ITL, throughput",
+        ),
     ):
         p = sub.add_parser(name, help=text)
         p.add_argument("--model", help="model folder (default: the bundled deepinfer-tiny-coder)")
@@ -154,6 +158,9 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
         p.add_argument("--max-num-seqs", type=int, default=256)
         p.add_argument("--max-num-batched-tokens", type=int, default=2048)
         p.add_argument("--step-time-budget-ms", type=float, default=None)
+        p.add_argument(
+            "--long-prefill-token-threshold", type=int, default=None, help="fixed prompt chunk size"
+        )
         p.add_argument("--async-scheduling", action="store_true")
         p.add_argument("--speculative", choices=["mtp", "mtp-confidence"], default=None)
         p.add_argument("--num-draft-tokens", type=int, default=None)
@@ -171,6 +178,13 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
             p.add_argument("--reps", type=int, default=3)
         if name == "pareto":
             p.add_argument("--levels", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64])
+        if name == "serve":
+            p.add_argument(
+                "--request-rate", type=float, default=4.0, help="mean arrivals per second (Poisson)"
+            )
+            p.add_argument("--max-seconds", type=float, default=300.0, help="stop sending after this long")
+            p.add_argument("--url", help="an already running server (default: start one on loopback)")
+            p.add_argument("--served-model-name", help="with --url: the model name the server expects")
 
 
 def bench(args: argparse.Namespace) -> int:
@@ -187,11 +201,19 @@ def bench(args: argparse.Namespace) -> int:
         "max_num_seqs": args.max_num_seqs,
         "max_num_batched_tokens": args.max_num_batched_tokens,
         "step_time_budget_ms": args.step_time_budget_ms,
+        "long_prefill_token_threshold": args.long_prefill_token_threshold,
         "async_scheduling": args.async_scheduling,
         "speculative": args.speculative,
         "num_draft_tokens": args.num_draft_tokens,
     }
-    if args.bench == "peer":
+    if args.bench == "serve":
+        result = _bench_serve(args, model, workload, options)
+        summary = (
+            f"{result['completed']}/{result['requests']} requests at {args.request_rate}/s: "
+            f"{result['output_tokens_per_s']:.0f} tok/s, TTFT mean {result['ttft_s']['mean'] * 1000:.0f} ms "
+            f"p99 {result['ttft_s']['p99'] * 1000:.0f} ms, TPOT mean {result['tpot_s']['mean'] * 1000:.1f} ms"
+        )
+    elif args.bench == "peer":
         from deepinfer.bench.peer import compare
 
         result = compare(
@@ -231,6 +253,34 @@ def bench(args: argparse.Namespace) -> int:
         Path(args.out).write_text(json.dumps(result, indent=2))
     print(json.dumps(result) if getattr(args, "json", False) else summary)
     return 0
+
+
+def _bench_serve(args: argparse.Namespace, model: str, workload, options: dict) -> dict:
+    import asyncio
+    import contextlib
+
+    from deepinfer.bench.serve import launch, run_load
+    from deepinfer.tokenizer import Tokenizer
+
+    prompts = workload.prompts(Tokenizer(model))
+    flags = {
+        "--max-num-seqs": options["max_num_seqs"],
+        "--step-time-budget-ms": options["step_time_budget_ms"],
+        "--long-prefill-token-threshold": options["long_prefill_token_threshold"],
+        "--speculative": options["speculative"],
+        "--num-draft-tokens": options["num_draft_tokens"],
+    }
+    server_args = [str(x) for k, v in flags.items() if v is not None for x in (k, v)]
+    server_args += ["--max-num-batched-tokens", str(options["max_num_batched_tokens"])]
+    if options["async_scheduling"]:
+        server_args.append("--async-scheduling")
+    name = args.served_model_name or Path(model).name
+    with launch(model, server_args) if args.url is None else contextlib.nullcontext(args.url) as url:
+        result = asyncio.run(
+            run_load(url, name, prompts, workload.output_len, args.request_rate, args.max_seconds, args.seed)
+        )
+    result.update(workload=workload.describe(), server_args=server_args, model=model)
+    return result
 
 
 def main(argv: Sequence[str] | None = None) -> int:

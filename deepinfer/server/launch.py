@@ -53,6 +53,12 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--accelerator", help="cpu | nvidia | ascend | auto (default: DEEPINFER_ACCELERATOR)")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     parser.add_argument("--kv-cache-memory-gib", type=float, help="KV-cache size (default: most free memory)")
+    parser.add_argument("--max-num-batched-tokens", type=int, help="token budget of one engine step")
+    parser.add_argument(
+        "--long-prefill-token-threshold",
+        type=int,
+        help="largest prompt chunk per request per step (fixed chunking)",
+    )
     parser.add_argument(
         "--speculative",
         choices=["mtp", "mtp-confidence"],
@@ -89,6 +95,8 @@ def serve(args: argparse.Namespace) -> int:
         "dtype": args.dtype,
         "accelerator": args.accelerator,
         "kv_cache_memory_gib": args.kv_cache_memory_gib,
+        "max_num_batched_tokens": args.max_num_batched_tokens,
+        "long_prefill_token_threshold": args.long_prefill_token_threshold,
         "speculative": args.speculative,
         "num_draft_tokens": args.num_draft_tokens,
         "step_time_budget_ms": args.step_time_budget_ms,

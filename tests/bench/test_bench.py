@@ -78,3 +78,14 @@ def test_agreement_measure() -> None:
         "identical_share": 0.5,
         "mean_common_prefix": 2.0,
     }
+
+
+def test_serving_load_generator(tiny_model: Path, tmp_path: Path) -> None:
+    out = tmp_path / "serve.json"
+    proc = bench("serve", "--model", str(tiny_model), "--request-rate", "8", "--out", str(out), *SMALL)
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(out.read_text())
+    assert result["completed"] == result["requests"] == 4 and not result["errors"]
+    assert result["output_tokens"] == 24
+    assert 0 < result["ttft_s"]["p50"] <= result["ttft_s"]["p99"] < result["e2e_s"]["p99"]
+    assert result["tpot_s"]["mean"] > 0 and result["itl_s"]["p99"] > 0
