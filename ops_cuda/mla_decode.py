@@ -21,6 +21,7 @@ from torch import Tensor
 
 from deepinfer.ops_cuda import OPS
 from deepinfer.ops_cuda.cache import cache_rows
+from deepinfer.ops_cuda.online_softmax import online_softmax_step
 from deepinfer.ops_cuda.runtime import (
     LOG2E,
     DeviceLimits,
@@ -120,14 +121,7 @@ def _decode_partials_kernel(
         visible = key_ok[None, :] & (pos[None, :] <= q_pos[:, None])
         if HAS_WINDOW:
             visible &= pos[None, :] > q_pos[:, None] - window
-        s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that saw no key yet stay at zero
-        p = tl.exp2(s - m_ref[:, None])
-        alpha = tl.exp2(m_i - m_ref)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = tl.dot(p.to(k_lat.dtype), k_lat, acc * alpha[:, None], input_precision="ieee")
-        m_i = m_new
+        m_i, l_i, acc = online_softmax_step(s, visible, m_i, l_i, acc, k_lat)
 
     seen = l_i > 0.0
     o = acc / tl.where(seen, l_i, 1.0)[:, None]

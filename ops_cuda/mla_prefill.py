@@ -15,6 +15,7 @@ import triton.language as tl
 from torch import Tensor
 
 from deepinfer.ops_cuda import OPS
+from deepinfer.ops_cuda.online_softmax import online_softmax_step
 from deepinfer.ops_cuda.runtime import LOG2E, block_pow2, check_device, device_limits, pipeline_stages
 
 
@@ -89,14 +90,7 @@ def _prefill_kernel(
             visible = key_ok[None, :] & (j[None, :] <= q_pos[:, None])
             if HAS_WINDOW:
                 visible &= j[None, :] > q_pos[:, None] - window
-            s = tl.where(visible, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that saw no key yet stay at zero
-            p = tl.exp2(s - m_ref[:, None])
-            alpha = tl.exp2(m_i - m_ref)
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision="ieee")
-            m_i = m_new
+            m_i, l_i, acc = online_softmax_step(s, visible, m_i, l_i, acc, v)
 
         o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
         dst = out_ptr + (q_start + i).to(tl.int64)[:, None] * stride_o_t + head * stride_o_h + dv[None, :]
