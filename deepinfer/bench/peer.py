@@ -24,6 +24,7 @@ DRIVERS = {
     "deepinfer": "deepinfer.bench.peers.deepinfer_driver",
     "transformers": "deepinfer.bench.peers.hf_transformers",
     "vllm": "deepinfer.bench.peers.vllm_cpu",
+    "llamacpp": "deepinfer.bench.peers.llama_cpp",
 }
 
 
@@ -54,8 +55,16 @@ def agreement(a: list[list[int]], b: list[list[int]]) -> dict:
 
 
 def compare(
-    model: str, workload: Workload, peer: str, peer_python: str, reps: int, threads: int, engine_options: dict
+    model: str,
+    workload: Workload,
+    peer: str,
+    peer_python: str,
+    reps: int,
+    threads: int,
+    engine_options: dict,
+    peer_model: str | None = None,
 ) -> dict:
+    """``peer_model``: what the peer loads when it is not the checkpoint folder (llama.cpp's .gguf)."""
     if peer not in DRIVERS or peer == "deepinfer":
         raise ValueError(
             f"unknown peer {peer!r}; choose one of: {', '.join(k for k in DRIVERS if k != 'deepinfer')}"
@@ -63,12 +72,13 @@ def compare(
     prompts = workload.prompts(Tokenizer(model))
     runs: dict[str, list[dict]] = {"deepinfer": [], peer: []}
     with tempfile.TemporaryDirectory() as tmp:
-        job = Path(tmp) / "job.json"
-        job.write_text(json.dumps({"model": model, "prompts": prompts, "output_len": workload.output_len,
-                                   "threads": threads, "engine_options": engine_options}))  # fmt: skip
+        ours, theirs = Path(tmp) / "ours.json", Path(tmp) / "peer.json"
+        common = {"prompts": prompts, "output_len": workload.output_len, "threads": threads}
+        ours.write_text(json.dumps({**common, "model": model, "engine_options": engine_options}))
+        theirs.write_text(json.dumps({**common, "model": peer_model or model}))
         for _ in range(reps):
-            runs["deepinfer"].append(_run(DRIVERS["deepinfer"], sys.executable, job, threads))
-            runs[peer].append(_run(DRIVERS[peer], peer_python, job, threads))
+            runs["deepinfer"].append(_run(DRIVERS["deepinfer"], sys.executable, ours, threads))
+            runs[peer].append(_run(DRIVERS[peer], peer_python, theirs, threads))
 
     def summary(name: str) -> dict:
         rs = runs[name]

@@ -11,6 +11,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from deepinfer.model.fp8 import quantize_block_fp8
+from deepinfer.model.layouts import to_published_layout
 
 BASE: dict[str, Any] = dict(
     vocab_size=256, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
@@ -76,20 +77,7 @@ def rewrite_deepseek_layout(
     (``weight_scale_inv``; a small block so that the tiny matrices have several), in ``shards`` files
     with a ``model.safetensors.index.json``."""
     dst.mkdir(parents=True, exist_ok=True)
-    tensors = _state(model)
-    out: dict[str, torch.Tensor] = {}
-    for name, t in tensors.items():
-        if name.endswith("mlp.experts.gate_up_proj"):
-            prefix, inter = name.removesuffix("gate_up_proj"), t.shape[1] // 2
-            for e in range(t.shape[0]):
-                out[f"{prefix}{e}.gate_proj.weight"] = t[e, :inter].clone()
-                out[f"{prefix}{e}.up_proj.weight"] = t[e, inter:].clone()
-        elif name.endswith("mlp.experts.down_proj"):
-            prefix = name.removesuffix("down_proj")
-            for e in range(t.shape[0]):
-                out[f"{prefix}{e}.down_proj.weight"] = t[e].clone()
-        else:
-            out[name] = t
+    out = to_published_layout(_state(model))
     if fp8:
         for name in [n for n in out if n.endswith(".weight") and out[n].dim() == 2]:
             if any(s in name for s in FP8_SKIP):
