@@ -4,8 +4,10 @@
 
 Data is on-policy: the engine itself runs greedy speculative decoding (MTP, k drafts per step) over
 prompts cut from the held-out stdlib files, and records, for every verified draft, the features the
-head sees (MTP hidden state, draft probability, depth) and whether the draft was accepted. The head is
-a small MLP trained with binary cross-entropy on 80% of the requests; on the other 20% the threshold is
+head sees (statistics of the MTP distribution, depth) and whether the draft was accepted. The head is
+a small MLP trained with binary cross-entropy on 80% of the requests to predict a draft's acceptance
+given that the drafts before it were accepted (so the product along a chain is the chance that the whole
+prefix is accepted); on the other 20% the threshold is
 chosen: the largest that keeps the mean accepted length within ``--max-length-drop`` of fixed-k
 verification, which minimises verified drafts under that constraint. Deterministic under ``--seed``.
 Writes confidence_head.safetensors and confidence_head.json (threshold and validation metrics).
@@ -54,6 +56,17 @@ def chains(trace: list[tuple[torch.Tensor, bool]], drafts: int) -> list[list[tup
     return [c for c in out if c]
 
 
+def conditional(chain: list[tuple[torch.Tensor, bool]]) -> list[tuple[torch.Tensor, bool]]:
+    """The chain's drafts up to and including its first rejection: the head learns P(draft j accepted
+    | drafts before it accepted), so that the product along a chain is the probability of the prefix."""
+    out = []
+    for features, accepted in chain:
+        out.append((features, accepted))
+        if not accepted:
+            break
+    return out
+
+
 def simulate(head: ConfidenceHead, steps: list[list[tuple[torch.Tensor, bool]]], threshold: float) -> dict:
     """Verified drafts and mean accepted length (tokens per step) if the head gated these chains."""
     verified = accepted = 0
@@ -80,7 +93,7 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=160)
     parser.add_argument("--drafts", type=int, default=3)
     parser.add_argument("--new-tokens", type=int, default=64)
-    parser.add_argument("--max-length-drop", type=float, default=0.03)
+    parser.add_argument("--max-length-drop", type=float, default=0.05)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     torch.manual_seed(args.seed)
@@ -89,15 +102,17 @@ def main() -> None:
     order = list(range(len(traces)))
     random.Random(args.seed).shuffle(order)
     cut = int(0.8 * len(order))
-    train = [pair for i in order[:cut] for pair in traces[i]]
+    train = [
+        pair for i in order[:cut] for chain in chains(traces[i], args.drafts) for pair in conditional(chain)
+    ]
     val_steps = [c for i in order[cut:] for c in chains(traces[i], args.drafts)]
     x = torch.stack([f for f, _ in train])
     y = torch.tensor([float(ok) for _, ok in train])
 
-    head = ConfidenceHead(x.shape[1] - 2)
-    optimiser = torch.optim.AdamW(head.parameters(), lr=3e-3, weight_decay=1e-3)
+    head = ConfidenceHead()
+    optimiser = torch.optim.AdamW(head.parameters(), lr=1e-2, weight_decay=1e-3)
     loss_fn = nn.BCELoss()
-    for _ in range(600):
+    for _ in range(500):
         optimiser.zero_grad()
         loss = loss_fn(head(x), y)
         loss.backward()
