@@ -31,7 +31,11 @@ def mla_prefill(
     scale: float,
     sliding_window: int | None = None,
 ) -> Tensor:
-    out = q.new_empty(q.shape[0], q.shape[1], v.shape[-1])
+    v_dim = v.shape[-1]
+    out = q.new_empty(q.shape[0], q.shape[1], v_dim)
+    # torch's fused CPU attention kernel needs values as wide as keys; pad them and drop the padding.
+    if v_dim < q.shape[-1]:
+        v = F.pad(v, (0, q.shape[-1] - v_dim))
     starts_q = cu_seqlens_q.tolist()
     starts_k = cu_seqlens_k.tolist()
     for b in range(len(starts_q) - 1):
@@ -48,7 +52,7 @@ def mla_prefill(
             query_pos = torch.arange(len_k - len_q, len_k, device=q.device)
             mask = _allowed(query_pos, torch.arange(len_k, device=q.device), len_k, sliding_window)
             ob = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask, scale=scale)
-        out[q0:q1] = ob.transpose(0, 1).to(out.dtype)
+        out[q0:q1] = ob.transpose(0, 1)[..., :v_dim].to(out.dtype)
     return out
 
 
@@ -73,13 +77,20 @@ def mla_decode(
     seq_lens = seq_lens.long()
 
     # Gather every request's blocks into a padded [B, S, L + R] batch (whole blocks: fast copies).
+    # Rows past a request's length may hold garbage (even NaN) and must be finite for the masked-out
+    # products to vanish: unused table entries read the request's first block instead (all real rows
+    # once the request has a full block), and the few rows that remain stale are zeroed.
     num_blocks = -(-int(seq_lens.max()) // block_size)
     span = num_blocks * block_size
     key_pos = torch.arange(span, device=device)
-    blocks = block_table[:, :num_blocks].reshape(-1).long()
-    keys = cache.index_select(0, blocks).view(num_reqs, span, width).float()
-    # Rows past a request's length may hold garbage (even NaN): zero them so masked products stay finite.
-    stale_req, stale_pos = (key_pos[None, :] >= seq_lens[:, None]).nonzero(as_tuple=True)
+    own_blocks = -(-seq_lens // block_size)
+    used = torch.arange(num_blocks, device=device)[None, :] < own_blocks[:, None]
+    table = block_table[:, :num_blocks].long()
+    table = torch.where(used, table, table[:, :1])
+    keys = cache.index_select(0, table.reshape(-1)).view(num_reqs, span, width).float()
+    real = key_pos[None, :] < seq_lens[:, None]
+    real |= ~used.repeat_interleave(block_size, dim=1) & (key_pos % block_size < seq_lens[:, None])
+    stale_req, stale_pos = (~real).nonzero(as_tuple=True)
     if stale_req.numel():
         keys[stale_req, stale_pos] = 0.0
 
