@@ -37,7 +37,9 @@ def test_async_equals_sync(tiny_model: Path, params: SamplingParams, blocks: int
 
 def test_stop_strings_and_aborts_with_a_step_in_flight(tiny_model: Path) -> None:
     llm = LLM(str(tiny_model), num_kv_blocks=200, async_scheduling=True)
-    base = llm.generate(["def add(a, b):"], SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True))[0]
+    base = llm.generate(["def add(a, b):"], SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True))[
+        0
+    ]
     stop = base.text[3:5]
     stopped = llm.generate(["def add(a, b):"], SamplingParams(temperature=0.0, max_tokens=20, stop=[stop]))[0]
     assert stopped.finish_reason == "stop" and stopped.text == base.text[: base.text.index(stop)]
