@@ -3,10 +3,15 @@
 A step computes, for each request, ``n`` new tokens on top of ``c`` cached ones. Its time is modelled as
 
     t = overhead + per_request * requests + per_token * sum(n) + per_attention * sum(n * c + n * (n + 1) / 2)
+        + per_context * sum(c over chunks, n > 1)
 
 the linear layers cost in proportion to tokens, attention in proportion to (query token, key token)
-pairs. Coefficients come from a short calibration on the real model at startup (least squares over a
-few synthetic steps), or from the chip's facts table when calibration is off. The scheduler uses the
+pairs, and a prompt chunk after a cached context also pays for reading that context back and expanding
+it into per-head keys and values (MLA's prefill form), in proportion to its length. (Drafts being
+verified, n = 2..1+k, are computed in the absorbed form and do not pay it; the model counts them as
+chunks, which errs on the safe side.) Coefficients come from a short calibration on the real model at
+startup (least squares on relative error over a few synthetic steps), or from the chip's facts table
+when calibration is off. The scheduler uses the
 model to cut prompt chunks to a time budget instead of a fixed size.
 """
 
@@ -17,6 +22,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import ClassVar
 
 import numpy as np
 
@@ -37,7 +43,10 @@ class StepCostModel:
     per_request_s: float
     per_token_s: float
     per_attention_s: float
+    per_context_s: float
     source: str  # "calibrated" or "chip facts"
+
+    VERSION: ClassVar[int] = 2  # of the terms above; stored calibrations of another version are redone
 
     def predict(self, work: Sequence[Work]) -> float:
         """Seconds for a step computing ``work`` (one (new, cached) pair per request)."""
@@ -46,6 +55,7 @@ class StepCostModel:
             + self.per_request_s * len(work)
             + self.per_token_s * sum(n for n, _ in work)
             + self.per_attention_s * sum(attention_pairs(n, c) for n, c in work)
+            + self.per_context_s * sum(c for n, c in work if n > 1)
         )
 
     def marginal(self, num_new: int, num_cached: int) -> float:
@@ -54,27 +64,36 @@ class StepCostModel:
             self.per_request_s
             + self.per_token_s * num_new
             + self.per_attention_s * attention_pairs(num_new, num_cached)
+            + self.per_context_s * num_cached * (num_new > 1)
         )
 
     def largest_chunk(self, num_cached: int, seconds: float, limit: int) -> int:
         """The most new tokens (<= limit) one request can add after ``num_cached`` within ``seconds``."""
-        budget = seconds - self.per_request_s
-        if budget <= 0:
-            return 0
+        budget = seconds - self.per_request_s - self.per_context_s * num_cached
         # per_attention/2 * n^2 + (per_token + per_attention * (c + 1/2)) * n - budget <= 0
         a = self.per_attention_s / 2
         b = self.per_token_s + self.per_attention_s * (num_cached + 0.5)
-        n = budget / b if a == 0 else (-b + math.sqrt(b * b + 4 * a * budget)) / (2 * a)
-        return max(0, min(limit, int(n)))
+        n = int(budget / b if a == 0 else (-b + math.sqrt(b * b + 4 * a * budget)) / (2 * a))
+        if n < 2:  # a lone token skips the context expansion (absorbed form)
+            n = int(self.marginal(1, num_cached) <= seconds)
+        return max(0, min(limit, n))
 
     @classmethod
     def fit(cls, samples: Sequence[tuple[Sequence[Work], float]]) -> StepCostModel:
-        """Least-squares fit (coefficients clamped at zero) to measured (work, seconds) samples."""
+        """Least-squares fit of the relative error (coefficients clamped at zero) to measured
+        (work, seconds) samples, so that short steps are predicted as well as long ones."""
         rows = [
-            [1.0, len(w), sum(n for n, _ in w), sum(attention_pairs(n, c) for n, c in w)] for w, _ in samples
+            [
+                1.0,
+                len(w),
+                sum(n for n, _ in w),
+                sum(attention_pairs(n, c) for n, c in w),
+                sum(c for n, c in w if n > 1),
+            ]
+            for w, _ in samples
         ]
         x, y = np.array(rows), np.array([t for _, t in samples])
-        coef = _nonnegative_least_squares(x, y)
+        coef = _nonnegative_least_squares(x / y[:, None], np.ones_like(y))
         return cls(*(float(v) for v in coef), source="calibrated")
 
     @classmethod
@@ -89,7 +108,21 @@ class StepCostModel:
         attn_proj += d * (config.kv_lora_rank + config.qk_rope_head_dim) + h * config.v_head_dim * d
         per_token = 2 * config.num_hidden_layers * (mlp + attn_proj) + 2 * d * config.vocab_size
         per_pair = 2 * config.num_hidden_layers * h * (2 * config.kv_lora_rank + config.qk_rope_head_dim)
-        return cls(1e-3, 1e-5, per_token / flops_per_s, per_pair / flops_per_s, source="chip facts")
+        per_context = (
+            2
+            * config.num_hidden_layers
+            * config.kv_lora_rank
+            * h
+            * (config.qk_nope_head_dim + config.v_head_dim)
+        )
+        return cls(
+            1e-3,
+            1e-5,
+            per_token / flops_per_s,
+            per_pair / flops_per_s,
+            per_context / flops_per_s,
+            "chip facts",
+        )
 
     # ------------------------------------------------------------------ persistence
     def save(self, path: Path) -> None:

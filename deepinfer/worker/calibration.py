@@ -26,7 +26,7 @@ _GREEDY = SamplingParams(temperature=0.0)
 
 def cache_path(platform: str, chip: str, model_dir: Path, dtype: str) -> Path:
     key = hashlib.sha256(
-        f"{model_dir.resolve()}|{(model_dir / 'config.json').read_bytes()!r}".encode()
+        f"{StepCostModel.VERSION}|{model_dir.resolve()}|{(model_dir / 'config.json').read_bytes()!r}".encode()
     ).hexdigest()[:16]
     return (
         Path(envs.get("DEEPINFER_CACHE_DIR")).expanduser()
@@ -39,7 +39,7 @@ def calibration_shapes(max_tokens: int, max_len: int) -> list[list[Work]]:
     """Prompt chunks of several sizes and contexts, and decode batches of several sizes."""
     shapes: list[list[Work]] = []
     for n in (16, 64, 256, 1024):
-        for c in (0, 512, 2048):
+        for c in (0, 512, 2048, 6144):
             if n <= max_tokens and n + c < max_len:
                 shapes.append([(n, c)])
     for batch in (1, 8, 32):
@@ -84,11 +84,13 @@ def calibrate(
             pool.release(blocks)
     model = StepCostModel.fit(samples)
     logger.info(
-        "cost model calibrated on %d step shapes: %.2f ms + %.3f ms/request + %.4f ms/token + %.2e ms/attention pair",
+        "cost model calibrated on %d step shapes: %.2f ms + %.3f ms/request + %.4f ms/token + %.2e ms/attention "
+        "pair + %.2e ms/context token of a chunk",
         len(samples),
         model.overhead_s * 1e3,
         model.per_request_s * 1e3,
         model.per_token_s * 1e3,
         model.per_attention_s * 1e3,
+        model.per_context_s * 1e3,
     )
     return model

@@ -13,7 +13,12 @@ from deepinfer.platform.chips import CHIPS
 from deepinfer.sampling_params import SamplingParams
 
 MODEL = StepCostModel(
-    overhead_s=2e-3, per_request_s=1e-5, per_token_s=1e-4, per_attention_s=1e-7, source="test"
+    overhead_s=2e-3,
+    per_request_s=1e-5,
+    per_token_s=1e-4,
+    per_attention_s=1e-7,
+    per_context_s=3e-6,
+    source="test",
 )
 
 
@@ -22,9 +27,12 @@ def test_longer_contexts_and_chunks_cost_more() -> None:
     assert MODEL.predict([(128, 0)]) > MODEL.predict([(64, 0)])
     assert MODEL.predict([(1, 100)] * 16) > MODEL.predict([(1, 100)] * 8)
     assert attention_pairs(3, 2) == 3 * 2 + 6
+    # A chunk pays for expanding its cached context; a lone decode token reads it in the absorbed form.
+    assert MODEL.predict([(2, 4096)]) - MODEL.predict([(2, 0)]) > 4096 * MODEL.per_context_s
+    assert MODEL.predict([(1, 4096)]) - MODEL.predict([(1, 0)]) < 4096 * MODEL.per_context_s
 
 
-@pytest.mark.parametrize("cached", [0, 100, 5000])
+@pytest.mark.parametrize("cached", [0, 100, 5000, 6600])
 def test_largest_chunk_is_the_largest_that_fits(cached: int) -> None:
     seconds = 0.02
     n = MODEL.largest_chunk(cached, seconds, limit=100_000)
@@ -38,7 +46,7 @@ def test_fit_recovers_known_coefficients() -> None:
         [(1, c)] * b for b in (1, 8, 32) for c in (128, 1024)
     ]
     fitted = StepCostModel.fit([(w, MODEL.predict(w)) for w in shapes])
-    for field in ("overhead_s", "per_token_s", "per_attention_s"):
+    for field in ("overhead_s", "per_token_s", "per_attention_s", "per_context_s"):
         assert getattr(fitted, field) == pytest.approx(getattr(MODEL, field), rel=1e-3)
     assert fitted.source == "calibrated"
 
@@ -112,3 +120,28 @@ def test_a_prompt_always_progresses_even_when_nothing_fits() -> None:
 def test_budget_requires_a_cost_model() -> None:
     with pytest.raises(ValueError, match="needs a cost model"):
         Scheduler(SchedulerConfig(8, 64, 512, 64, step_time_budget_s=0.01), KVCacheManager(64, 16, False))
+
+
+def test_measured_step_times_correct_the_budget() -> None:
+    """Steps that take twice their prediction halve what the next chunk may be predicted to cost."""
+    s = scheduler(budget_s=0.05)
+    s.add_request(req("long", 8192))
+    out = s.schedule()
+    first = out.requests[0].num_new_tokens
+    work = [(first, 0)]
+    for _ in range(30):
+        s.observe_step_time(out, 2 * MODEL.predict(work))
+    assert s.time_scale == pytest.approx(2.0)
+    # The scale follows the slow tail, not the mean: 1 step in 5 at 2x leaves it at 2.
+    for i in range(60):
+        s.observe_step_time(out, (2 if i % 5 == 0 else 1) * MODEL.predict(work))
+    assert s.time_scale == pytest.approx(2.0)
+    s.update_from_output(out, {})
+    nxt = s.schedule().requests[0]
+    assert 2 * MODEL.predict([(nxt.num_new_tokens, nxt.num_computed_tokens)]) <= 0.05
+    assert 2 * MODEL.predict([(nxt.num_new_tokens + 1, nxt.num_computed_tokens)]) > 0.05
+    # Decode-only steps are not shaped by the budget and do not move the scale.
+    decodes = scheduler(budget_s=0.05)
+    run_decodes(decodes, 4)
+    decodes.observe_step_time(decodes.schedule(), 10.0)
+    assert decodes.time_scale == 1.0
