@@ -315,7 +315,7 @@ class LLMEngine:
         scheduled = self.scheduler.schedule()
         if scheduled.is_empty:
             return []
-        return self._apply(scheduled, self.runner.execute(scheduled))
+        return self._apply(scheduled, self._execute(scheduled))
 
     def _step_async(self) -> list[RequestOutput]:
         """Asynchronous scheduling: step N+1 is scheduled while step N computes on the device.
@@ -328,15 +328,19 @@ class LLMEngine:
             scheduled = self.scheduler.schedule()
             if scheduled.is_empty:
                 return []
-            self._inflight = (scheduled, self._executor.submit(self.runner.execute, scheduled))
+            self._inflight = (scheduled, self._executor.submit(self._execute, scheduled))
         scheduled, future = self._inflight
         ahead = self.scheduler.schedule()
         outputs = self._apply(scheduled, future.result())
         ahead = self._resolve_placeholders(ahead)
-        self._inflight = (
-            None if ahead.is_empty else (ahead, self._executor.submit(self.runner.execute, ahead))
-        )
+        self._inflight = None if ahead.is_empty else (ahead, self._executor.submit(self._execute, ahead))
         return outputs
+
+    def _execute(self, scheduled: SchedulerOutput) -> RunnerOutput:
+        start = time.perf_counter()
+        result = self.runner.execute(scheduled)
+        result.seconds = time.perf_counter() - start
+        return result
 
     def _resolve_placeholders(self, ahead: SchedulerOutput) -> SchedulerOutput:
         kept = []
@@ -354,6 +358,7 @@ class LLMEngine:
     def _apply(self, scheduled: SchedulerOutput, result: RunnerOutput) -> list[RequestOutput]:
         for rid, entries in result.prompt_logprobs.items():
             self.outputs.record_prompt_logprobs(rid, entries)
+        self.scheduler.observe_step_time(scheduled, result.seconds)
         updated = self.scheduler.update_from_output(scheduled, result.sampled, result.drafts)
         self.spec_stats.record(result)
         parents = []

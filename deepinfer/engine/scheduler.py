@@ -51,6 +51,9 @@ class Scheduler:
         self.config = config
         self.kv = kv_cache
         self.cost_model = cost_model
+        # Measured / predicted time of recent steps that held a prompt chunk (see observe_step_time).
+        self.time_ratios: deque[float] = deque(maxlen=self.FEEDBACK_WINDOW)
+        self.time_scale = 1.0
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -89,7 +92,7 @@ class Scheduler:
 
     # ------------------------------------------------------------------ scheduling
     def schedule(self) -> SchedulerOutput:
-        step = _StepBudget(self.config, self.cost_model)
+        step = _StepBudget(self.config, self.cost_model, self.time_scale)
         picked: list[tuple[Request, int, list[int]]] = []  # request, real tokens, drafts
         preempted: list[str] = []
         lookahead = self.config.num_lookahead_tokens
@@ -160,6 +163,26 @@ class Scheduler:
             request.num_computed_tokens = start + num_new + len(drafts)
             request.num_pending_tokens += samples
         return SchedulerOutput(scheduled, preempted)
+
+    FEEDBACK_WINDOW = 64  # recent chunked steps whose measured / predicted times set the scale
+    FEEDBACK_QUANTILE = 0.9
+
+    def observe_step_time(self, scheduled: SchedulerOutput, seconds: float) -> None:
+        """Feed back the measured time of an executed step.
+
+        With a time budget, chunks are sized so that the predicted time times a scale meets the
+        budget; the scale is the 90th percentile of measured / predicted over recent steps that held a
+        prompt chunk (the only steps the budget shapes). That corrects the calibration where it is off
+        (shapes it did not sample, contention, clock changes) and makes the budget one on the tail:
+        the same step's time varies by ~30% at p99 on a busy host, so aiming the mean at the budget
+        would overrun it every few steps. Ratios are clamped to [0.5, 3].
+        """
+        if self.config.step_time_budget_s is None or all(r.num_new_tokens == 1 for r in scheduled.requests):
+            return
+        work = [(r.num_new_tokens, r.num_computed_tokens) for r in scheduled.requests]
+        self.time_ratios.append(min(max(seconds / self.cost_model.predict(work), 0.5), 3.0))
+        ordered = sorted(self.time_ratios)
+        self.time_scale = ordered[min(len(ordered) - 1, int(self.FEEDBACK_QUANTILE * len(ordered)))]
 
     def _drafts(self, request: Request, room: int) -> list[int]:
         """The request's pending drafts that fit: the step's token budget, max_tokens (the step emits
@@ -237,11 +260,15 @@ class _StepBudget:
 
     MIN_CHUNK = 16
 
-    def __init__(self, config: SchedulerConfig, cost_model: StepCostModel | None) -> None:
+    def __init__(
+        self, config: SchedulerConfig, cost_model: StepCostModel | None, time_scale: float = 1.0
+    ) -> None:
         self.tokens = config.max_num_batched_tokens
         self.cap = config.long_prefill_token_threshold
         self.cost = cost_model if config.step_time_budget_s is not None else None
-        self.seconds = (config.step_time_budget_s or 0.0) - (self.cost.overhead_s if self.cost else 0.0)
+        # Predicted seconds left, in the model's units: measured time ~ time_scale * predicted.
+        budget = (config.step_time_budget_s or 0.0) / time_scale
+        self.seconds = budget - (self.cost.overhead_s if self.cost else 0.0)
         self.empty = True
 
     def chunk(self, remaining: int, num_cached: int) -> int:

@@ -40,6 +40,7 @@ class RunnerOutput:
     num_proposed: int = 0  # draft tokens the drafter produced this step
     num_verified: int = 0  # draft tokens checked against the target this step
     num_accepted: int = 0  # of which accepted
+    seconds: float = 0.0  # wall time of the step, host and device, until its tokens were on the host
 
 
 @dataclass(slots=True)
