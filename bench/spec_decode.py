@@ -20,6 +20,7 @@ from pathlib import Path
 from deepinfer import LLM, SamplingParams
 from deepinfer.bench.report import environment
 from deepinfer.bench.workload import Workload
+from deepinfer.cli import reexec_with_malloc_tuning
 from deepinfer.engine.spec_stats import SpecDecodeStats
 
 NEW_TOKENS = 128
@@ -73,6 +74,7 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--out", default="bench/results/spec_decode.json")
     args = parser.parse_args()
+    reexec_with_malloc_tuning()
 
     plain = LLM(args.model)
     spec = {k: LLM(args.model, speculative="mtp", num_draft_tokens=k) for k in range(1, args.drafts + 1)}

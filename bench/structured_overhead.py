@@ -19,6 +19,7 @@ from pathlib import Path
 from deepinfer import LLM, SamplingParams
 from deepinfer.bench.report import environment
 from deepinfer.bench.workload import Workload
+from deepinfer.cli import reexec_with_malloc_tuning
 
 SCHEMA = {
     "type": "object",
@@ -68,6 +69,7 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--out", default="bench/results/structured_overhead.json")
     args = parser.parse_args()
+    reexec_with_malloc_tuning()
     llm = LLM(args.model)
     prompts = Workload(32, (64, 512), 128, seed=0).prompts(llm.engine.tokenizer)
     run(llm, prompts[:2], constrained=True)  # warm-up, grammar backend included

