@@ -37,6 +37,12 @@ def test_wheel_contains_every_module(wheel: Path) -> None:
             expected.add(f"{target}/{rel}")
     missing = sorted(expected - names)
     assert not missing, f"missing from the wheel (add the package to pyproject's packages list): {missing}"
+    bundled = REPO_ROOT / "deepinfer" / "models"
+    files = {
+        f"deepinfer/models/{p.relative_to(bundled).as_posix()}" for p in bundled.rglob("*") if p.is_file()
+    }
+    assert "deepinfer/models/deepinfer-tiny-coder/confidence_head/model.safetensors" in files
+    assert not sorted(files - names), f"bundled model files missing from the wheel: {sorted(files - names)}"
 
 
 def test_installed_wheel_works_from_another_directory(wheel: Path, tmp_path: Path) -> None:

@@ -10,7 +10,8 @@ given that the drafts before it were accepted (so the product along a chain is t
 prefix is accepted); on the other 20% the threshold is
 chosen: the largest that keeps the mean accepted length within ``--max-length-drop`` of fixed-k
 verification, which minimises verified drafts under that constraint. Deterministic under ``--seed``.
-Writes confidence_head.safetensors and confidence_head.json (threshold and validation metrics).
+Writes confidence_head/model.safetensors and confidence_head/config.json (threshold and validation
+metrics) into the model folder.
 """
 
 from __future__ import annotations

@@ -27,8 +27,6 @@ from deepinfer.model.fp8 import FP8_DTYPE, dequantize_block_fp8
 logger = get_logger(__name__)
 
 SCALE_SUFFIX = "weight_scale_inv"
-# safetensors files in a model folder that are not model weights (deepinfer's own additions)
-AUXILIARY_FILES = frozenset({"confidence_head.safetensors"})
 IGNORED = re.compile(r".*rotary_emb\.inv_freq$")
 
 
@@ -70,7 +68,7 @@ def _tensor_files(folder: Path) -> dict[str, Path]:
         if missing:
             raise CheckpointError(f"{index.name} names shard files that are missing: {', '.join(missing)}")
         return {name: folder / file for name, file in weight_map.items()}
-    shards = sorted(f for f in folder.glob("*.safetensors") if f.name not in AUXILIARY_FILES)
+    shards = sorted(folder.glob("*.safetensors"))
     if not shards:
         raise CheckpointError(f"{folder} is not a checkpoint: no *.safetensors files")
     tensors: dict[str, Path] = {}

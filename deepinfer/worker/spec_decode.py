@@ -28,8 +28,9 @@ from deepinfer.engine.sched_output import ScheduledRequest
 from deepinfer.model.deepseek_v3 import DeepseekV3ForCausalLM
 from deepinfer.worker.model_runner import StepInputs
 
-CONFIDENCE_FILE = "confidence_head.safetensors"  # listed in loader.AUXILIARY_FILES
-CONFIDENCE_CONFIG = "confidence_head.json"
+# A subfolder of the model folder: model loaders that glob the top level for *.safetensors (vLLM,
+# llama.cpp's converter) must not mistake the head for model weights.
+CONFIDENCE_DIR = "confidence_head"
 
 
 class ConfidenceHead(nn.Module):
@@ -63,22 +64,25 @@ class ConfidenceHead(nn.Module):
         return torch.sigmoid(self.net(features)).squeeze(-1)
 
     def save(self, folder: Path, threshold: float, metrics: dict) -> None:
-        save_file({k: v.contiguous() for k, v in self.state_dict().items()}, folder / CONFIDENCE_FILE)
+        """Write ``<folder>/confidence_head/{model.safetensors,config.json}``."""
+        target = folder / CONFIDENCE_DIR
+        target.mkdir(exist_ok=True)
+        save_file({k: v.contiguous() for k, v in self.state_dict().items()}, target / "model.safetensors")
         config = {"width": self.width, "threshold": threshold, **metrics}
-        (folder / CONFIDENCE_CONFIG).write_text(json.dumps(config, indent=2))
+        (target / "config.json").write_text(json.dumps(config, indent=2))
 
     @classmethod
     def load(cls, folder: Path) -> tuple[ConfidenceHead, float]:
         """The head shipped in a model folder and its default threshold."""
-        config_path = folder / CONFIDENCE_CONFIG
+        config_path = folder / CONFIDENCE_DIR / "config.json"
         if not config_path.is_file():
             raise FileNotFoundError(
-                f"{folder} has no {CONFIDENCE_CONFIG}: speculative 'mtp-confidence' needs a trained confidence "
-                "head (tools/train_confidence_head.py makes one)"
+                f"{folder} has no {CONFIDENCE_DIR}/config.json: speculative 'mtp-confidence' needs a trained "
+                "confidence head (tools/train_confidence_head.py makes one)"
             )
         config = json.loads(config_path.read_text())
         head = cls(config["width"])
-        head.load_state_dict(load_file(folder / CONFIDENCE_FILE))
+        head.load_state_dict(load_file(folder / CONFIDENCE_DIR / "model.safetensors"))
         return head.eval(), float(config["threshold"])
 
 

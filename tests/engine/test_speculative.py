@@ -108,7 +108,7 @@ def test_confidence_gating_verifies_fewer_drafts_and_stays_lossless(mtp_model: P
     folder = tmp_path / "gated"
     folder.mkdir()
     for f in mtp_model.iterdir():
-        if not f.name.startswith("confidence_head"):
+        if f.is_file():
             (folder / f.name).write_bytes(f.read_bytes())
     torch.manual_seed(0)
     head = ConfidenceHead()
@@ -133,7 +133,7 @@ def test_confidence_gating_verifies_fewer_drafts_and_stays_lossless(mtp_model: P
 def test_configuration_errors_are_clear(tiny_model: Path, mtp_model: Path) -> None:
     with pytest.raises(ValueError, match="needs a model with MTP layers"):
         LLM(str(tiny_model), num_kv_blocks=64, speculative="mtp")
-    with pytest.raises(FileNotFoundError, match=r"confidence_head\.json"):
+    with pytest.raises(FileNotFoundError, match=r"confidence_head/config\.json"):
         LLM(str(tiny_model), num_kv_blocks=64, speculative="mtp-confidence")
     with pytest.raises(ValueError, match="need speculative"):
         LLM(str(mtp_model), num_kv_blocks=64, num_draft_tokens=2)
