@@ -85,9 +85,10 @@ def body_parses(signature: str, completion: str) -> bool:
 
 
 def signature_completions(
-    llm: LLM, signatures: list[str], max_tokens: int = 96
+    llm: LLM, signatures: list[str], max_tokens: int = 96, repetition_penalty: float = 1.0
 ) -> list[tuple[str, str, bool]]:
     """Greedy completions of each signature (the prompt is the signature line itself, so the model
     writes the newline and indentation as it learned them): (signature, completion, parses)."""
-    outs = llm.generate(signatures, SamplingParams(temperature=0.0, max_tokens=max_tokens))
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, repetition_penalty=repetition_penalty)
+    outs = llm.generate(signatures, params)
     return [(s, o.text, body_parses(s, o.text)) for s, o in zip(signatures, outs)]
