@@ -68,8 +68,8 @@ fi
 # --------------------------------------------------------------------------- native kernels
 build_native() {  # $1 name, $2 source dir, $3 file glob, $4 toolchain check command, $5 missing message, $6 build cmd
   local name=$1 dir=$2 glob=$3 check=$4 missing=$5 cmd=$6
-  local sources
-  sources=$(find "$dir" -name "$glob" -not -path "*/build/*" 2>/dev/null | sort)
+  local sources=""
+  [ -d "$dir" ] && sources=$(find "$dir" -name "$glob" -not -path "*/build/*" | sort)
   if [ -z "$sources" ]; then
     say "$name: no native sources in $dir; nothing to build"
     return
@@ -89,10 +89,7 @@ build_native() {  # $1 name, $2 source dir, $3 file glob, $4 toolchain check com
   echo "$digest" >"$STAMPS/$name"
 }
 
-build_native ops_cuda ops_cuda/csrc '*.cu' \
-  "command -v nvcc && $VPY -c 'import torch,sys; sys.exit(torch.version.cuda is None)'" \
-  "needs nvcc and a CUDA build of torch" \
-  "$VPY -m deepinfer.ops_cuda.build"
+say "ops_cuda: Triton kernels, compiled by Triton on first use; no native sources to build"
 build_native ops_ascend ops_ascend/csrc '*.cpp' \
   "has_cann" \
   "needs CANN (ASCEND_HOME_PATH from set_env.sh)" \
