@@ -49,7 +49,11 @@ class EngineConfig(BaseModel):
         None, description="speculative decoding: MTP drafts, optionally gated by the model's confidence head"
     )
     num_draft_tokens: int | None = Field(
-        None, ge=1, le=16, description="drafts per request per step; None: the model's MTP layer count"
+        None,
+        ge=1,
+        le=16,
+        description="drafts per request per step; None: the model's MTP layer count (mtp), the "
+        "chain length its confidence head was trained on (mtp-confidence)",
     )
     confidence_threshold: float | None = Field(
         None, ge=0.0, le=1.0, description="mtp-confidence: verify drafts while predicted acceptance >= this"

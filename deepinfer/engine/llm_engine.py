@@ -171,14 +171,16 @@ class LLMEngine:
             return 0
         if config.async_scheduling:
             raise ValueError("speculative decoding does not combine with async_scheduling yet; choose one")
-        k = config.num_draft_tokens or max(1, self.model_config.num_nextn_predict_layers)
+        k = max(1, self.model_config.num_nextn_predict_layers)
         confidence = None
         if config.speculative == "mtp-confidence":
             head, threshold = ConfidenceHead.load(Path(config.model))
+            k = head.drafts
             confidence = (
                 head.to(self.device),
                 threshold if config.confidence_threshold is None else config.confidence_threshold,
             )
+        k = config.num_draft_tokens or k
         self.runner.decode_query_len = 1 + k
         self.runner.proposer = MTPProposer(self.model, self.kv_caches, self.runner.prepare, k, confidence)
         return k

@@ -65,7 +65,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help="speculative decoding with the model's MTP layer",
     )
     parser.add_argument(
-        "--num-draft-tokens", type=int, help="drafts per request per step (default: MTP layers)"
+        "--num-draft-tokens",
+        type=int,
+        help="drafts per request per step (default: the MTP layer count; mtp-confidence: the chain "
+        "length its head was trained on)",
     )
     parser.add_argument(
         "--step-time-budget-ms",

@@ -36,39 +36,55 @@ CONFIDENCE_DIR = "confidence_head"
 class ConfidenceHead(nn.Module):
     """Predicts the probability that a draft token is accepted, given that the drafts before it were.
 
-    Features of the MTP layer's output distribution at the draft: log of the top-1 (the draft's)
-    probability and of its complement, log of the top-2 probability, the entropy, and the draft's depth
-    (1-based) in the chain. (The MTP hidden state itself was tried as an input too: on our traces it
-    overfits — validation AUC 0.74 against 0.81 for the draft probability alone — so it is left out.)
+    Features (``NUM_FEATURES``, in this order): of the MTP layer's output distribution at the draft, log
+    of the top-1 (the draft's) probability and of its complement, log of the top-2 probability and the
+    entropy; of the request's previous step, the share of its verified drafts that were accepted, whether
+    it verified any, and whether all were accepted (acceptance runs in streaks: copied or boilerplate
+    code accepts whole chains); and the draft's depth (1-based) in the chain, last. The inputs are
+    standardised with the training set's mean and deviation (buffers, saved with the weights). (The MTP
+    hidden state itself was tried as an input too: on our traces it overfits — validation AUC 0.74
+    against 0.81 for the draft probability alone — so it is left out.)
     """
 
-    NUM_FEATURES = 5
+    NUM_FEATURES = 8
 
-    def __init__(self, width: int = 16) -> None:
+    def __init__(self, width: int = 16, drafts: int = 1) -> None:
+        """``drafts``: the chain length the head was trained on, the default k for mtp-confidence."""
         super().__init__()
         self.width = width
+        self.drafts = drafts
         self.net = nn.Sequential(nn.Linear(self.NUM_FEATURES, width), nn.SiLU(), nn.Linear(width, 1))
+        self.register_buffer("mean", torch.zeros(self.NUM_FEATURES))
+        self.register_buffer("std", torch.ones(self.NUM_FEATURES))
 
     @staticmethod
-    def features(probs: Tensor, depth: int) -> Tensor:
-        """probs: [N, V] the MTP softmax -> [N, NUM_FEATURES] float32."""
-        top = probs.float().topk(2, dim=-1).values.clamp(1e-6, 1 - 1e-6)
-        entropy = -(probs.float() * probs.float().clamp_min(1e-12).log()).sum(-1)
+    def features(probs: Tensor, previous: Tensor, depth: int) -> Tensor:
+        """probs: [N, V] the MTP softmax; previous: [N, 2] float32 (drafts verified, drafts accepted) in
+        each request's previous step -> [N, NUM_FEATURES] float32."""
+        probs = probs.float()
+        top = probs.topk(2, dim=-1).values.clamp(1e-6, 1 - 1e-6)
+        entropy = -(probs * probs.clamp_min(1e-12).log()).sum(-1)
+        verified, accepted = previous.to(probs.device).unbind(-1)
+        any_verified = (verified > 0).float()
+        share = accepted / verified.clamp_min(1.0)
+        all_accepted = any_verified * (accepted == verified).float()
         depth_col = torch.full_like(entropy, float(depth))
         return torch.stack(
-            (top[:, 0].log(), (-top[:, 0]).log1p(), top[:, 1].log(), entropy, depth_col), dim=-1
-        )
+            (top[:, 0].log(), (-top[:, 0]).log1p(), top[:, 1].log(), entropy, share, any_verified,
+             all_accepted, depth_col),
+            dim=-1,
+        )  # fmt: skip
 
     def forward(self, features: Tensor) -> Tensor:
         """features [N, NUM_FEATURES] -> acceptance probability [N]."""
-        return torch.sigmoid(self.net(features)).squeeze(-1)
+        return torch.sigmoid(self.net((features - self.mean) / self.std)).squeeze(-1)
 
     def save(self, folder: Path, threshold: float, metrics: dict) -> None:
         """Write ``<folder>/confidence_head/{model.safetensors,config.json}``."""
         target = folder / CONFIDENCE_DIR
         target.mkdir(exist_ok=True)
         save_file({k: v.contiguous() for k, v in self.state_dict().items()}, target / "model.safetensors")
-        config = {"width": self.width, "threshold": threshold, **metrics}
+        config = {"width": self.width, "drafts": self.drafts, "threshold": threshold, **metrics}
         (target / "config.json").write_text(json.dumps(config, indent=2))
 
     @classmethod
@@ -81,7 +97,7 @@ class ConfidenceHead(nn.Module):
                 "confidence head (tools/train_confidence_head.py makes one)"
             )
         config = json.loads(config_path.read_text())
-        head = cls(config["width"])
+        head = cls(config["width"], config["drafts"])
         head.load_state_dict(load_file(folder / CONFIDENCE_DIR / "model.safetensors"))
         return head.eval(), float(config["threshold"])
 
@@ -117,6 +133,9 @@ class MTPProposer:
         # Set to a list to collect (features, accepted) pairs for training a confidence head.
         self.trace: list[tuple[Tensor, bool]] | None = None
         self._pending_features: dict[str, list[Tensor]] = {}
+        # This step's verification per request (drafts verified, accepted): confidence features of the
+        # drafts proposed right after it. Filled by record_verification, emptied by propose.
+        self._verified_now: dict[str, tuple[int, int]] = {}
 
     def propose(
         self, inputs: StepInputs, hidden: Tensor, emitted: dict[str, list[int]]
@@ -153,12 +172,16 @@ class MTPProposer:
                 steps.append(p)
         index = torch.tensor(last_rows, device=hidden.device)
         step_hidden, step_logits = mtp_hidden[index], logits[index]
+        last_step = torch.tensor(
+            [self._verified_now.get(c.request_id, (0, 0)) for c in chains], dtype=torch.float32
+        )
+        self._verified_now.clear()
         for depth in range(1, self.num_drafts + 1):
             probs = torch.softmax(step_logits, dim=-1)
             draft = probs.argmax(dim=-1)
             features = None
             if self.head is not None or self.trace is not None:
-                features = ConfidenceHead.features(probs, depth)
+                features = ConfidenceHead.features(probs, last_step, depth)
             accept = self.head(features).tolist() if self.head is not None else [1.0] * len(chains)
             for i, (chain, token, a) in enumerate(zip(chains, draft.tolist(), accept)):
                 chain.tokens.append(token)
@@ -192,7 +215,9 @@ class MTPProposer:
         return {c.request_id: self._kept(c) for c in chains}, proposed
 
     def record_verification(self, request_id: str, verified: int, accepted: int) -> None:
-        """While tracing: pair each verified draft's features with whether it was accepted."""
+        """Note a request's verification for the next drafts' confidence features; while tracing, pair
+        each verified draft's features with whether it was accepted."""
+        self._verified_now[request_id] = (verified, accepted)
         features = self._pending_features.pop(request_id, None) if self.trace is not None else None
         if features is not None:
             self.trace.extend((features[j], j < accepted) for j in range(verified))

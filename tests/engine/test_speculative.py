@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 from pathlib import Path
 
@@ -128,6 +129,48 @@ def test_confidence_gating_verifies_fewer_drafts_and_stays_lossless(mtp_model: P
             assert g.verified_tokens == f.verified_tokens
         else:
             assert g.verified_tokens < f.verified_tokens
+
+
+def test_confidence_features_carry_the_requests_previous_step(mtp_model: Path) -> None:
+    probs = torch.tensor([[0.7, 0.2, 0.1], [0.5, 0.25, 0.25], [0.4, 0.4, 0.2]])
+    previous = torch.tensor([[0.0, 0.0], [3.0, 3.0], [4.0, 1.0]])  # (verified, accepted)
+    f = ConfidenceHead.features(probs, previous, depth=2)
+    assert f.shape == (3, ConfidenceHead.NUM_FEATURES)
+    assert torch.allclose(f[:, 0], probs[:, 0].log()) and torch.allclose(f[:, 2], probs[:, 1].log())
+    assert f[:, 4].tolist() == [0.0, 1.0, 0.25]  # share accepted
+    assert f[:, 5].tolist() == [0.0, 1.0, 1.0]  # verified any
+    assert f[:, 6].tolist() == [0.0, 1.0, 0.0]  # accepted all
+    assert f[:, 7].tolist() == [2.0, 2.0, 2.0]  # depth, last
+
+    # In the engine, a request's drafts see the verification of the step that proposed them.
+    llm = LLM(str(mtp_model), num_kv_blocks=200, speculative="mtp", num_draft_tokens=3)
+    proposer = llm.engine.runner.proposer
+    proposer.trace = []
+    llm.generate(PROMPTS[:1], SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True))
+    chains: list[list[tuple[torch.Tensor, bool]]] = []
+    for features, accepted in proposer.trace:
+        if features[-1] == 1:
+            chains.append([])
+        chains[-1].append((features, accepted))
+    assert len(chains) > 3 and not proposer._verified_now
+    assert chains[0][0][0][5] == 0.0  # the first drafts follow the prefill: nothing verified before
+    for before, after in itertools.pairwise(chains):
+        accepted = sum(ok for _, ok in before)
+        assert after[0][0][4].item() == pytest.approx(accepted / len(before))
+        assert after[0][0][6].item() == float(accepted == len(before))
+
+
+def test_mtp_confidence_drafts_as_deep_as_its_head_was_trained(mtp_model: Path, tmp_path: Path) -> None:
+    folder = tmp_path / "head"
+    folder.mkdir()
+    for f in mtp_model.iterdir():
+        if f.is_file():
+            (folder / f.name).write_bytes(f.read_bytes())
+    ConfidenceHead(drafts=4).save(folder, threshold=0.5, metrics={})
+    assert LLM(str(folder), num_kv_blocks=64, speculative="mtp-confidence").engine.num_draft_tokens == 4
+    chosen = LLM(str(folder), num_kv_blocks=64, speculative="mtp-confidence", num_draft_tokens=2)
+    assert chosen.engine.num_draft_tokens == 2
+    assert LLM(str(folder), num_kv_blocks=64, speculative="mtp").engine.num_draft_tokens == 1
 
 
 def test_configuration_errors_are_clear(tiny_model: Path, mtp_model: Path) -> None:
