@@ -7,7 +7,8 @@ the previous MTP output and draft back in. Drafts are greedy (the MTP argmax), s
 sampling the target at each draft position is lossless (see ``ModelRunner._sample_and_verify``).
 
 With a confidence head, a request keeps only the draft prefix whose predicted cumulative acceptance
-stays at or above a threshold, so the number of verified tokens adapts per request and step.
+stays at or above a threshold, so the number of verified tokens adapts per request and step; a
+request stops drafting at its first draft below the threshold.
 
 Known limit: with prefix caching, the MTP cache row at the last position of a shared block was written
 with the next token of the request that computed it; drafts there may be worse, never wrong.
@@ -16,6 +17,7 @@ with the next token of the request that computed it; drafts there may be worse, 
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -176,20 +178,30 @@ class MTPProposer:
             [self._verified_now.get(c.request_id, (0, 0)) for c in chains], dtype=torch.float32
         )
         self._verified_now.clear()
+        active = list(range(len(chains)))  # the chains still drafting, in the rows of step_hidden
         for depth in range(1, self.num_drafts + 1):
             probs = torch.softmax(step_logits, dim=-1)
-            draft = probs.argmax(dim=-1)
+            draft = probs.argmax(dim=-1).tolist()
             features = None
             if self.head is not None or self.trace is not None:
-                features = ConfidenceHead.features(probs, last_step, depth)
-            accept = self.head(features).tolist() if self.head is not None else [1.0] * len(chains)
-            for i, (chain, token, a) in enumerate(zip(chains, draft.tolist(), accept)):
-                chain.tokens.append(token)
-                chain.accept_prob.append(a)
+                features = ConfidenceHead.features(probs, last_step[active], depth)
+            accept = self.head(features).tolist() if self.head is not None else [1.0] * len(active)
+            for row, (i, token, a) in enumerate(zip(active, draft, accept)):
+                chains[i].tokens.append(token)
+                chains[i].accept_prob.append(a)
                 if self.trace is not None:
-                    chain.features.append(features[i].cpu())
-            if depth == self.num_drafts:
+                    chains[i].features.append(features[row].cpu())
+            # A chain whose predicted prefix acceptance fell below the threshold drafts no further:
+            # nothing after that draft would be verified.
+            alive = [
+                row for row, i in enumerate(active) if math.prod(chains[i].accept_prob) >= self.threshold
+            ]
+            if depth == self.num_drafts or not alive:
                 break
+            if len(alive) < len(active):
+                steps, draft = [steps[row] for row in alive], [draft[row] for row in alive]
+                step_hidden = step_hidden[torch.tensor(alive, device=step_hidden.device)]
+                active = [active[row] for row in alive]
             # Next draft: the MTP layer at the following position, fed its own output and the draft.
             steps = [
                 replace(
@@ -198,7 +210,7 @@ class MTPProposer:
                     num_computed_tokens=s.num_computed_tokens + s.num_new_tokens,
                     samples=True,
                 )
-                for s, t in zip(steps, draft.tolist())
+                for s, t in zip(steps, draft)
             ]
             chain_inputs = self.prepare(steps)
             step_hidden, step_logits = self.model.mtp_forward(
@@ -209,7 +221,7 @@ class MTPProposer:
                 chain_inputs.meta,
                 self.kv_caches,
             )
-        proposed = self.num_drafts * len(chains)
+        proposed = sum(len(c.tokens) for c in chains)
         if self.trace is not None:
             self._pending_features = {c.request_id: c.features for c in chains}
         return {c.request_id: self._kept(c) for c in chains}, proposed

@@ -28,6 +28,15 @@ def mtp_model() -> Path:
     return default_model_path()
 
 
+def model_without_head(model: Path, folder: Path) -> Path:
+    """A copy of the model folder's files, without its confidence_head/ subfolder."""
+    folder.mkdir()
+    for f in model.iterdir():
+        if f.is_file():
+            (folder / f.name).write_bytes(f.read_bytes())
+    return folder
+
+
 @pytest.mark.parametrize("k", [1, 3])
 @pytest.mark.parametrize(
     "options",
@@ -106,11 +115,7 @@ def test_sampled_distribution_matches_the_target(tmp_path: Path) -> None:
 
 
 def test_confidence_gating_verifies_fewer_drafts_and_stays_lossless(mtp_model: Path, tmp_path: Path) -> None:
-    folder = tmp_path / "gated"
-    folder.mkdir()
-    for f in mtp_model.iterdir():
-        if f.is_file():
-            (folder / f.name).write_bytes(f.read_bytes())
+    folder = model_without_head(mtp_model, tmp_path / "gated")
     torch.manual_seed(0)
     head = ConfidenceHead()
     with torch.no_grad():
@@ -126,8 +131,9 @@ def test_confidence_gating_verifies_fewer_drafts_and_stays_lossless(mtp_model: P
         assert [o.token_ids for o in out] == [o.token_ids for o in fixed_out]
         g, f = gated.engine.spec_stats, fixed.engine.spec_stats
         if threshold == 0.0:
-            assert g.verified_tokens == f.verified_tokens
-        else:
+            assert (g.draft_tokens, g.verified_tokens) == (f.draft_tokens, f.verified_tokens)
+        else:  # chains stop drafting at their first draft below the threshold
+            assert g.verified_tokens < g.draft_tokens < f.draft_tokens
             assert g.verified_tokens < f.verified_tokens
 
 
@@ -161,11 +167,7 @@ def test_confidence_features_carry_the_requests_previous_step(mtp_model: Path) -
 
 
 def test_mtp_confidence_drafts_as_deep_as_its_head_was_trained(mtp_model: Path, tmp_path: Path) -> None:
-    folder = tmp_path / "head"
-    folder.mkdir()
-    for f in mtp_model.iterdir():
-        if f.is_file():
-            (folder / f.name).write_bytes(f.read_bytes())
+    folder = model_without_head(mtp_model, tmp_path / "head")
     ConfidenceHead(drafts=4).save(folder, threshold=0.5, metrics={})
     assert LLM(str(folder), num_kv_blocks=64, speculative="mtp-confidence").engine.num_draft_tokens == 4
     chosen = LLM(str(folder), num_kv_blocks=64, speculative="mtp-confidence", num_draft_tokens=2)
