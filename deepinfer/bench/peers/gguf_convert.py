@@ -47,6 +47,8 @@ def main(llama_cpp_dir: str, model_dir: str, out: str) -> None:
     original = base.TextModel.get_vocab_base_pre
 
     def get_vocab_base_pre(self, tokenizer) -> str:
+        # The converter knows pre-tokenizers by a hash of known models' outputs and raises on any other;
+        # ours is a byte-level BPE with GPT-2's pre-tokenizer regex, which llama.cpp calls "gpt-2".
         try:
             return original(self, tokenizer)
         except NotImplementedError:
