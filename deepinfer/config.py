@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 DType = Literal["auto", "float32", "bfloat16", "float16"]
 
@@ -62,3 +62,63 @@ class EngineConfig(BaseModel):
         "calibrate",
         description="step cost model: measured on the model at startup (cached) or from chip facts",
     )
+
+    # ---- parallelism: attention data parallelism + MoE expert parallelism (deepinfer.parallel) ----
+    data_parallel_size: int = Field(
+        1,
+        ge=1,
+        description="data-parallel ranks: engine cores in one torch.distributed group, each with its "
+        "own scheduler and KV cache",
+    )
+    enable_expert_parallel: bool = Field(
+        False, description="shard the routed experts over the data-parallel ranks (EP size = DP size)"
+    )
+    num_redundant_experts: int = Field(
+        0, ge=0, description="extra expert slots per MoE layer, holding replicas of hot experts (EPLB)"
+    )
+    eplb_interval: int | None = Field(
+        None, ge=1, description="rearrange experts by their measured load every this many steps; None: never"
+    )
+    eplb_window: int = Field(1000, ge=1, description="steps of expert-load history a rearrangement weighs")
+    eplb_min_gain: float = Field(
+        0.05,
+        ge=0.0,
+        description="rearrange only when predicted balance (mean/max rank load) rises by more than this "
+        "plus eplb_gain_per_gib for every GiB of expert weights moved",
+    )
+    eplb_gain_per_gib: float = Field(0.01, ge=0.0, description="balance gain demanded per GiB moved")
+    nnodes: int = Field(1, ge=1, description="hosts the data-parallel ranks span")
+    node_rank: int = Field(0, ge=0, description="this host's index among nnodes")
+    master_addr: str | None = Field(
+        None, description="rendezvous address of node 0 (needed when nnodes > 1); None on one host: loopback"
+    )
+    master_port: int | None = Field(None, ge=1, le=65535, description="rendezvous port; None: a free port")
+    dp_timeout_s: float = Field(
+        300.0,
+        gt=0,
+        description="a collective waiting longer than this fails: a dead or hung rank is an error",
+    )
+
+    @model_validator(mode="after")
+    def _check_parallel(self) -> EngineConfig:
+        dp = self.data_parallel_size
+        if not self.enable_expert_parallel:
+            for name in ("num_redundant_experts", "eplb_interval"):
+                if getattr(self, name):
+                    raise ValueError(f"{name} needs enable_expert_parallel=True")
+        if self.nnodes > 1 and not self.master_addr:
+            raise ValueError("master_addr is required when nnodes > 1: the rendezvous address of node 0")
+        if self.node_rank >= self.nnodes:
+            raise ValueError(f"node_rank={self.node_rank} must be below nnodes={self.nnodes}")
+        if dp % self.nnodes:
+            raise ValueError(f"data_parallel_size={dp} does not divide evenly over nnodes={self.nnodes}")
+        if dp > 1:
+            for name in ("speculative", "graph_capture", "async_scheduling"):
+                if getattr(self, name):
+                    raise ValueError(f"{name} does not combine with data_parallel_size > 1 yet")
+            if self.step_time_budget_ms is not None and self.cost_model == "calibrate":
+                raise ValueError(
+                    "step_time_budget_ms with cost_model='calibrate' does not combine with "
+                    "data_parallel_size > 1 yet; use cost_model='chip'"
+                )
+        return self

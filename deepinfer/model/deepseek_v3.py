@@ -13,6 +13,7 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -25,12 +26,20 @@ from deepinfer.model.layers import MLP, Linear, RMSNorm, empty_param
 from deepinfer.model.moe import MoE
 from deepinfer.model.rope import cos_sin_table
 
+if TYPE_CHECKING:
+    from deepinfer.parallel.placement import ExpertShard
+
 KVCache = Sequence[Sequence[Tensor]]  # per cache layer (main layers, then MTP layers): backend tensors
 
 
 class DecoderLayer(nn.Module):
     def __init__(
-        self, config: ModelConfig, layer: int, dtype: torch.dtype, device: torch.device | str
+        self,
+        config: ModelConfig,
+        layer: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        shard: ExpertShard | None = None,
     ) -> None:
         super().__init__()
         eps = config.rms_norm_eps
@@ -38,7 +47,7 @@ class DecoderLayer(nn.Module):
         self.self_attn = MLAAttention(config, layer, dtype, device)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, dtype, device)
         self.mlp: nn.Module = (
-            MoE(config, dtype, device)
+            MoE(config, dtype, device, layer, shard)
             if config.is_moe_layer(layer)
             else MLP(config.hidden_size, config.intermediate_size, dtype, device)
         )
@@ -74,7 +83,12 @@ class MTPLayer(nn.Module):
     hidden state of token i and the embedding of token i+1, predicts token i+2."""
 
     def __init__(
-        self, config: ModelConfig, layer: int, dtype: torch.dtype, device: torch.device | str
+        self,
+        config: ModelConfig,
+        layer: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        shard: ExpertShard | None = None,
     ) -> None:
         super().__init__()
         d, eps = config.hidden_size, config.rms_norm_eps
@@ -82,32 +96,46 @@ class MTPLayer(nn.Module):
         self.enorm = RMSNorm(d, eps, dtype, device)
         self.hnorm = RMSNorm(d, eps, dtype, device)
         self.eh_proj = Linear(2 * d, d, False, dtype, device)
-        self.block = DecoderLayer(config, layer, dtype, device)
+        self.block = DecoderLayer(config, layer, dtype, device, shard)
         self.shared_head = SharedHead(config, dtype, device)
 
 
 @dataclass(slots=True)
 class Target:
-    """Where a checkpoint tensor goes: a parameter, optionally an index into it (expert, row range)."""
+    """Where a checkpoint tensor goes: a parameter, optionally an index into it (expert, row range),
+    optionally from only part of the tensor (``source``: an index into the checkpoint tensor, read as a
+    slice so the rest is never loaded)."""
 
     param: str
     index: tuple[int | slice, ...] = ()
+    source: tuple[int | slice, ...] = ()
 
 
 class DeepseekV3ForCausalLM(nn.Module):
-    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device | str = "cpu") -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+        shard: ExpertShard | None = None,
+    ) -> None:
+        """``shard``: this rank's expert placement under expert parallelism (None: every expert local)."""
         super().__init__()
         self.config = config
         self.dtype = dtype
+        self.shard = shard
         c = config
         self.embed_tokens = empty_param(c.vocab_size, c.hidden_size, dtype=dtype, device=device)
-        self.layers = nn.ModuleList(DecoderLayer(c, i, dtype, device) for i in range(c.num_hidden_layers))
+        self.layers = nn.ModuleList(
+            DecoderLayer(c, i, dtype, device, shard) for i in range(c.num_hidden_layers)
+        )
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype, device)
         self.lm_head = (
             None if c.tie_word_embeddings else Linear(c.hidden_size, c.vocab_size, False, dtype, device)
         )
         self.mtp_layers = nn.ModuleList(
-            MTPLayer(c, c.num_hidden_layers + j, dtype, device) for j in range(c.num_nextn_predict_layers)
+            MTPLayer(c, c.num_hidden_layers + j, dtype, device, shard)
+            for j in range(c.num_nextn_predict_layers)
         )
         self.register_buffer("cos_sin", cos_sin_table(c).to(device), persistent=False)
 
@@ -127,6 +155,14 @@ class DeepseekV3ForCausalLM(nn.Module):
             hidden, residual = layer(hidden, residual, positions, meta, cache, self.cos_sin)
         hidden, _ = self.norm.add_forward(hidden, residual)
         return hidden
+
+    def idle_forward(self) -> None:
+        """A zero-token forward: every main-layer MoE joins its expert-parallel collectives with no
+        tokens of its own, as a data-parallel rank with nothing scheduled must (lockstep)."""
+        empty = torch.empty(0, self.config.hidden_size, dtype=self.dtype, device=self.embed_tokens.device)
+        for layer in self.layers:
+            if isinstance(layer.mlp, MoE):
+                layer.mlp(empty)
 
     def compute_logits(self, hidden: Tensor) -> Tensor:
         """[N, D] -> [N, V] float32."""
@@ -186,10 +222,17 @@ class DeepseekV3ForCausalLM(nn.Module):
             prefix = f"mtp_layers.{j}.block."
         else:
             return None
-        return self._layer_targets(prefix, rest, c.is_moe_layer(layer))
+        return self._layer_targets(prefix, rest, layer)
 
-    def _layer_targets(self, prefix: str, rest: str, moe: bool) -> list[Target] | None:
+    def _slots_of(self, layer: int, expert: int) -> list[int]:
+        """This rank's slots of ``layer`` holding logical ``expert`` (all local without a shard)."""
+        if self.shard is None:
+            return [expert]
+        return [s for s, e in enumerate(self.shard.local_experts(layer)) if e == expert]
+
+    def _layer_targets(self, prefix: str, rest: str, layer: int) -> list[Target] | None:
         c = self.config
+        moe = c.is_moe_layer(layer)
         inter = c.moe_intermediate_size if moe else c.intermediate_size
         halves = {"gate_proj": slice(0, inter), "up_proj": slice(inter, 2 * inter)}
         m = re.fullmatch(r"mlp\.(gate_proj|up_proj)\.weight", rest)
@@ -205,11 +248,14 @@ class DeepseekV3ForCausalLM(nn.Module):
         m = re.fullmatch(r"mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight", rest)
         if m and moe:
             expert, proj = int(m.group(1)), m.group(2)
+            slots = self._slots_of(layer, expert)  # [] under expert parallelism: not read at all
             if proj == "down_proj":
-                return [Target(prefix + "mlp.experts.w2", (expert,))]
-            return [Target(prefix + "mlp.experts.w13", (expert, halves[proj]))]
-        if rest == "mlp.experts.gate_up_proj" and moe:
-            return [Target(prefix + "mlp.experts.w13")]
-        if rest == "mlp.experts.down_proj" and moe:
-            return [Target(prefix + "mlp.experts.w2")]
+                return [Target(prefix + "mlp.experts.w2", (s,)) for s in slots]
+            return [Target(prefix + "mlp.experts.w13", (s, halves[proj])) for s in slots]
+        fused = {"mlp.experts.gate_up_proj": "w13", "mlp.experts.down_proj": "w2"}
+        if rest in fused and moe:
+            param = prefix + "mlp.experts." + fused[rest]
+            if self.shard is None:
+                return [Target(param)]
+            return [Target(param, (s,), (e,)) for s, e in enumerate(self.shard.local_experts(layer))]
         return [Target(prefix + rest)]

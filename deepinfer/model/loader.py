@@ -5,6 +5,10 @@ in DeepSeek's published per-expert layout or transformers 5's fused-expert layou
 e4m3 weights with block scales (``weight_scale_inv``), which are dequantised into the model dtype.
 Every parameter is poisoned with NaN before loading, so any part the checkpoint did not provide is
 reported by name; unknown and mis-shaped tensors are reported by name too.
+
+Under expert parallelism (an ``ExpertShard``) a rank reads only the tensors it needs: expert tensors
+of experts it does not hold are never opened (so their FP8 weights are never dequantised), and fused
+expert tensors are read as slices of the experts it holds. ``model.load_stats`` says what was read.
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors import safe_open
@@ -23,6 +27,9 @@ from deepinfer.logger import get_logger
 from deepinfer.model.config import ModelConfig
 from deepinfer.model.deepseek_v3 import DeepseekV3ForCausalLM, Target
 from deepinfer.model.fp8 import FP8_DTYPE, dequantize_block_fp8
+
+if TYPE_CHECKING:
+    from deepinfer.parallel.placement import ExpertShard
 
 logger = get_logger(__name__)
 
@@ -79,6 +86,16 @@ def _tensor_files(folder: Path) -> dict[str, Path]:
     return tensors
 
 
+@dataclass(slots=True)
+class LoadStats:
+    """What ``load_model`` read: checkpoint tensors read (whole or sliced) and skipped (not held by
+    this rank), and the weight bytes read from the safetensors files (as stored; FP8 scales not counted)."""
+
+    tensors_read: int = 0
+    tensors_skipped: int = 0
+    bytes_read: int = 0
+
+
 def mtp_layers_present(config: ModelConfig, names: set[str]) -> int:
     """How many of the config's MTP layers the checkpoint actually contains tensors for."""
     present = 0
@@ -90,9 +107,13 @@ def mtp_layers_present(config: ModelConfig, names: set[str]) -> int:
 
 
 def load_model(
-    path: str | Path, dtype: torch.dtype, device: torch.device | str = "cpu"
+    path: str | Path,
+    dtype: torch.dtype,
+    device: torch.device | str = "cpu",
+    shard: ExpertShard | None = None,
 ) -> tuple[DeepseekV3ForCausalLM, Checkpoint]:
-    """Build the model described by ``path/config.json`` and fill it from the safetensors."""
+    """Build the model described by ``path/config.json`` and fill it from the safetensors; with
+    ``shard``, only this rank's experts (see the module docstring)."""
     ckpt = Checkpoint.open(path)
     config = ModelConfig.from_dict(ckpt.raw_config)
     names = set(ckpt.tensors)
@@ -109,12 +130,13 @@ def load_model(
         )
         config = config.model_copy(update={"num_nextn_predict_layers": 0})
     with torch.device(device):
-        model = DeepseekV3ForCausalLM(config, dtype, device)
+        model = DeepseekV3ForCausalLM(config, dtype, device, shard)
     params = dict(model.named_parameters())
     for p in params.values():
         p.data.fill_(float("nan"))
 
     plan: dict[str, list[Target]] = {}
+    stats = LoadStats()
     unexpected = []
     for name in sorted(names):
         if name.endswith(SCALE_SUFFIX) or IGNORED.match(name):
@@ -122,19 +144,31 @@ def load_model(
         targets = model.checkpoint_targets(name)
         if targets is None or any(t.param not in params for t in targets):
             unexpected.append(name)
-        else:
+        elif targets:
             plan[name] = targets
+        else:
+            stats.tensors_skipped += 1  # an expert another rank holds
     if unexpected:
         raise CheckpointError(f"checkpoint has tensors this model does not use: {_names(unexpected)}")
 
     by_shard: dict[Path, list[str]] = {}
     for name in plan:
         by_shard.setdefault(ckpt.tensors[name], []).append(name)
-    shards = sorted(by_shard)
-    for shard in tqdm(shards, desc="Loading safetensors shards", unit="shard", disable=None):
-        with safe_open(shard, framework="pt") as f:
-            for name in by_shard[shard]:
+    for file in tqdm(sorted(by_shard), desc="Loading safetensors shards", unit="shard", disable=None):
+        with safe_open(file, framework="pt") as f:
+            for name in by_shard[file]:
+                stats.tensors_read += 1
+                if all(t.source for t in plan[name]):
+                    sliced = f.get_slice(name)
+                    for target in plan[name]:
+                        part = sliced[target.source]
+                        if part.dtype == FP8_DTYPE:
+                            raise CheckpointError(f"{name}: FP8 fused expert tensors are not supported")
+                        stats.bytes_read += part.numel() * part.element_size()
+                        _assign(params[target.param], target, part, name)
+                    continue
                 tensor = f.get_tensor(name)
+                stats.bytes_read += tensor.numel() * tensor.element_size()
                 if tensor.dtype == FP8_DTYPE:
                     tensor = _dequantize(ckpt, name, tensor, config)
                 for target in plan[name]:
@@ -145,6 +179,7 @@ def load_model(
         raise CheckpointError(f"checkpoint is missing tensors for: {_names([_hint(m) for m in missing])}")
     model.finish_loading()
     model.eval()
+    model.load_stats = stats
     return model, ckpt
 
 

@@ -1,6 +1,15 @@
-"""DeepSeekMoE: routed experts (group-limited top-k gating) plus always-on shared experts."""
+"""DeepSeekMoE: routed experts (group-limited top-k gating) plus always-on shared experts.
+
+Without expert parallelism every routed expert is local and ``fused_moe`` computes them. With it (an
+``ExpertShard``), this rank holds only its physical slots: routing is computed locally, each (token,
+expert) pair is mapped to one replica of its expert (deterministically: replica ``(t * k + j) mod
+replicas`` for pair j of token t), sent to the rank owning that slot with ``ep_dispatch``, computed
+there and brought back with ``ep_combine``. The shared expert is replicated (computed locally).
+"""
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -9,6 +18,9 @@ from torch import Tensor, nn
 from deepinfer.backends import ops
 from deepinfer.model.config import ModelConfig
 from deepinfer.model.layers import MLP, empty_param
+
+if TYPE_CHECKING:
+    from deepinfer.parallel.placement import ExpertShard
 
 
 class Router(nn.Module):
@@ -29,21 +41,39 @@ class Router(nn.Module):
 
 
 class Experts(nn.Module):
-    """Routed expert weights, stacked: w13 [E, 2I, D] (gate rows then up rows), w2 [E, D, I]."""
+    """Routed expert weights, stacked: w13 [E, 2I, D] (gate rows then up rows), w2 [E, D, I]; under
+    expert parallelism E is this rank's slot count and slot s holds ``shard.local_experts(layer)[s]``."""
 
-    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device | str) -> None:
+    def __init__(
+        self, config: ModelConfig, dtype: torch.dtype, device: torch.device | str, slots: int | None = None
+    ) -> None:
         super().__init__()
-        e, i, d = config.n_routed_experts or 0, config.moe_intermediate_size, config.hidden_size
+        e = (config.n_routed_experts or 0) if slots is None else slots
+        i, d = config.moe_intermediate_size, config.hidden_size
         self.w13 = empty_param(e, 2 * i, d, dtype=dtype, device=device)
         self.w2 = empty_param(e, d, i, dtype=dtype, device=device)
 
 
 class MoE(nn.Module):
-    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device | str) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        layer: int = 0,
+        shard: ExpertShard | None = None,
+    ) -> None:
         super().__init__()
         c = config
+        self.layer, self.shard = layer, shard
+        self.num_experts = c.n_routed_experts or 0
         self.gate = Router(c, device)
-        self.experts = Experts(c, dtype, device)
+        self.experts = Experts(c, dtype, device, None if shard is None else shard.slots_per_rank)
+        # Set by the data-parallel rank: expert-load recorder (EPLB) and the debug collective trace.
+        self.load_recorder: Any | None = None
+        self.trace: list[str] | None = None
+        if shard is not None:
+            self.set_placement(*shard.log2phy(layer))
         self.shared_experts = (
             MLP(c.hidden_size, c.moe_intermediate_size * c.n_shared_experts, dtype, device)
             if c.n_shared_experts
@@ -58,8 +88,53 @@ class MoE(nn.Module):
         else:
             self.renormalize, self.scaling = c.norm_topk_prob, c.routed_scaling_factor
 
+    def set_placement(self, log2phy: Tensor, logcnt: Tensor) -> None:
+        """This layer's replica table: log2phy [E, R] physical slots per logical expert (-1 padded),
+        logcnt [E] replica counts. Host tensors; kept on the weights' device."""
+        device = self.experts.w13.device
+        self.log2phy, self.logcnt = log2phy.to(device), logcnt.to(device)
+
+    def physical_ids(self, ids: Tensor) -> Tensor:
+        """[T, k] logical expert ids -> [T, k] physical slots, replica ``(t * k + j) mod count``."""
+        ids = ids.long()
+        pair = torch.arange(ids.numel(), device=ids.device).view_as(ids)
+        replica = pair % self.logcnt[ids]
+        return self.log2phy[ids, replica]
+
     def forward(self, x: Tensor) -> Tensor:
-        weights, ids = ops.moe_route(
+        if x.shape[0] == 0:  # a zero-token forward (an idle data-parallel rank): collectives only
+            weights = torch.empty(0, self.top_k, dtype=torch.float32, device=x.device)
+            ids = torch.empty(0, self.top_k, dtype=torch.int32, device=x.device)
+        else:
+            weights, ids = self._route(x)
+        if self.load_recorder is not None:
+            self.load_recorder.record(self.layer, ids)
+        out = self._routed(x, weights, ids)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        return out
+
+    def _routed(self, x: Tensor, weights: Tensor, ids: Tensor) -> Tensor:
+        if self.shard is None:
+            return ops.fused_moe(x, self.experts.w13, self.experts.w2, weights, ids)
+        group = self.shard.group
+        if self.trace is not None:
+            self.trace.append(f"ep_dispatch+combine:{self.layer}")
+        sent = ops.ep_dispatch(x, self.physical_ids(ids), weights, self.shard.num_slots, group)
+        received = sent.hidden.shape[0]
+        if self.load_recorder is not None:
+            self.load_recorder.record_received(self.layer, received)
+        local = ops.fused_moe(
+            sent.hidden,
+            self.experts.w13,
+            self.experts.w2,
+            torch.ones(received, 1, dtype=torch.float32, device=x.device),  # ep_combine applies weights
+            sent.local_expert_ids[:, None],
+        )
+        return ops.ep_combine(local, sent, group)
+
+    def _route(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        return ops.moe_route(
             self.gate(x),
             self.gate.e_score_correction_bias,
             self.top_k,
@@ -70,7 +145,3 @@ class MoE(nn.Module):
             self.renormalize,
             self.scaling,
         )
-        out = ops.fused_moe(x, self.experts.w13, self.experts.w2, weights, ids)
-        if self.shared_experts is not None:
-            out = out + self.shared_experts(x)
-        return out
