@@ -126,6 +126,13 @@ ENV_VARS: dict[str, EnvVar] = {
             int,
             "Intra-op CPU threads for torch; unset leaves torch's default (the number of cores).",
         ),
+        EnvVar(
+            "DEEPINFER_DP_CHECK_COLLECTIVES",
+            "0",
+            _bool,
+            "Data-parallel debug mode: after every step the ranks compare a digest of the collectives each "
+            "issued and fail, naming the ranks, when they differ.",
+        ),
     )
 }
 

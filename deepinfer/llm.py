@@ -18,10 +18,24 @@ class LLM:
 
     ``model`` is a Hugging Face model folder (default: the model shipped with deepinfer); any other
     keyword is an ``EngineConfig`` field (``dtype``, ``max_model_len``, ``enable_prefix_caching`` ...).
+    ``data_parallel_size=N`` (with ``enable_expert_parallel=True`` to shard the experts) runs N rank
+    processes (spawned: a script must guard its entry with ``if __name__ == "__main__":``).
     """
 
     def __init__(self, model: str | None = None, **engine_options: Any) -> None:
-        self.engine = LLMEngine(EngineConfig(model=str(model or default_model_path()), **engine_options))
+        config = EngineConfig(model=str(model or default_model_path()), **engine_options)
+        if config.data_parallel_size > 1:  # rank processes behind the same interface
+            from deepinfer.parallel.front import DataParallelEngine
+
+            self.engine: LLMEngine | DataParallelEngine = DataParallelEngine(config)
+        else:
+            self.engine = LLMEngine(config)
+
+    def close(self) -> None:
+        """Stop the data-parallel rank processes (a no-op for one process); also done at exit."""
+        close = getattr(self.engine, "close", None)
+        if close is not None:
+            close()
 
     def get_tokenizer(self) -> Tokenizer | None:
         return self.engine.tokenizer

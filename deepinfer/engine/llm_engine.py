@@ -15,6 +15,7 @@ import random
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -42,6 +43,9 @@ from deepinfer.worker.graphs import DecodeGraphs
 from deepinfer.worker.model_runner import ModelRunner, RunnerOutput
 from deepinfer.worker.spec_decode import ConfidenceHead, MTPProposer
 
+if TYPE_CHECKING:
+    from deepinfer.parallel.placement import ExpertShard
+
 logger = get_logger(__name__)
 
 CPU_KV_CACHE_CAP = 4 << 30
@@ -57,7 +61,9 @@ def _resolve_dtype(config: EngineConfig, platform: Platform, checkpoint_dtype: s
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, shard: ExpertShard | None = None) -> None:
+        """``shard``: under expert parallelism, the experts this data-parallel rank holds (set by
+        ``deepinfer.parallel.rank``, which also owns the process group and the per-step lockstep)."""
         self.config = config
         threads = envs.get("DEEPINFER_NUM_THREADS")
         if threads:
@@ -69,7 +75,7 @@ class LLMEngine:
         folder = Path(config.model)
         raw_dtype = _checkpoint_dtype(folder)
         self.dtype = _resolve_dtype(config, self.platform, raw_dtype)
-        self.model, self.checkpoint = load_model(folder, self.dtype, self.device)
+        self.model, self.checkpoint = load_model(folder, self.dtype, self.device, shard)
         self.model_config = self.model.config
         tokenizer_dir = Path(config.tokenizer or config.model)
         self.tokenizer = Tokenizer(tokenizer_dir) if (tokenizer_dir / "tokenizer.json").is_file() else None
@@ -317,6 +323,11 @@ class LLMEngine:
         scheduled = self.scheduler.schedule()
         if scheduled.is_empty:
             return []
+        return self.run_scheduled(scheduled)
+
+    def run_scheduled(self, scheduled: SchedulerOutput) -> list[RequestOutput]:
+        """Execute a non-empty scheduled step and apply its results (what ``step`` does after
+        scheduling; the data-parallel lockstep schedules, agrees with the other ranks, then calls this)."""
         return self._apply(scheduled, self._execute(scheduled))
 
     def _step_async(self) -> list[RequestOutput]:
