@@ -150,6 +150,7 @@ class DataParallelEngine:
         self._rank_of: dict[str, int] = {}
         self._ids = itertools.count()
         self._pending: list[RequestOutput] = []
+        self._failures: list[str] = []  # what failed ranks reported
         self._closed = False
         try:
             self._await(lambda: all(load is not None for load in self.loads), STARTUP_TIMEOUT_S, "start")
@@ -222,11 +223,15 @@ class DataParallelEngine:
                     except (EOFError, OSError):
                         continue  # the sentinel reports the exit
                     self._receive(rank, message)
+            if self._failures:
+                self._fail(self._failures[0])
             for rank, proc in enumerate(self.procs):
                 if not proc.is_alive() and not self._closed:
                     while self.conns[rank].poll():  # a last report explains the exit
-                        with suppress(EOFError, OSError):
+                        try:
                             self._receive(rank, self.conns[rank].recv())
+                        except (EOFError, OSError):
+                            break
                     self._fail(f"data-parallel rank {rank} (pid {proc.pid}) exited with code {proc.exitcode}")
 
     def _receive(self, rank: int, message: tuple) -> None:
@@ -250,11 +255,27 @@ class DataParallelEngine:
             self._active[rank].discard(request_id)
             raise ValueError(reason)
         elif kind == "fatal":
-            self._fail(message[1])
+            self._failures.append(message[1])
 
     def _fail(self, reason: str) -> None:
+        """Let the surviving ranks fail on their own (their next collective errors within
+        ``dp_timeout_s``) and collect what they report, then stop them all and raise."""
+        deadline = time.monotonic() + self.config.dp_timeout_s + 5.0
+        alive = [r for r, p in enumerate(self.procs) if p.is_alive()]
+        while alive and time.monotonic() < deadline:
+            wait([self.procs[r].sentinel for r in alive] + [self.conns[r] for r in alive], timeout=POLL_S)
+            for r in alive:
+                while self.conns[r].poll():
+                    try:
+                        message = self.conns[r].recv()
+                    except (EOFError, OSError):
+                        break
+                    if message[0] == "fatal":
+                        self._failures.append(message[1])
+            alive = [r for r in alive if self.procs[r].is_alive()]
         self.close(graceful=False)
-        raise RankFailedError(reason)
+        reports = [f for f in self._failures if f != reason]
+        raise RankFailedError("; ".join([reason, *reports]))
 
     def close(self, graceful: bool = True, timeout: float = 30.0) -> None:
         """Stop every rank together (graceful: through the lockstep) and reap the processes; any rank

@@ -30,6 +30,7 @@ import hashlib
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -80,12 +81,15 @@ class RankStep:
 
 @dataclass(slots=True)
 class RankStats:
-    """Per computing step: pairs this rank's experts computed, and the EPLB decisions taken."""
+    """Per computing step: pairs this rank's experts computed, its wall time and the tokens all ranks
+    computed; the EPLB decisions taken (step, balance before, after, bytes, applied); requests added."""
 
     received: list[int] = field(default_factory=list)
     step_seconds: list[float] = field(default_factory=list)
     tokens: list[int] = field(default_factory=list)
     decisions: list[tuple[int, float, float, int, bool]] = field(default_factory=list)
+    requests_added: int = 0
+    idle_steps: int = 0  # zero-token forwards this rank ran while others computed
 
 
 def init_group(config: EngineConfig, rank: int, init_method: str) -> None:
@@ -98,6 +102,25 @@ def init_group(config: EngineConfig, rank: int, init_method: str) -> None:
         world_size=config.data_parallel_size,
         timeout=timedelta(seconds=config.dp_timeout_s),
     )
+
+
+def check_collective_sequence(
+    trace: list[str], group: Any, rank: int, step: int, device: torch.device | str = "cpu"
+) -> None:
+    """Debug mode: all-gather a digest of the collectives this rank issued in ``step`` and raise
+    CollectiveMismatchError, naming the ranks that differ, unless every rank issued the same. Collective."""
+    sequence = "|".join(trace)
+    digest = int.from_bytes(hashlib.blake2b(sequence.encode(), digest_size=7).digest(), "little")
+    mine = torch.tensor([digest], dtype=torch.int64, device=device)
+    gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(gathered, mine, group=group)
+    digests = [int(t) for t in gathered]
+    if len(set(digests)) > 1:
+        differing = [r for r, d in enumerate(digests) if d != digests[rank]]
+        raise CollectiveMismatchError(
+            f"rank {rank}: ranks {differing} issued a different collective sequence in step {step}; "
+            f"this rank issued {len(trace)}: {sequence[:300]}"
+        )
 
 
 class DataParallelRank:
@@ -134,6 +157,7 @@ class DataParallelRank:
     ) -> None:
         self.engine.add_request(request_id, prompt, prompt_token_ids, params)
         self._live.add(request_id)
+        self.stats.requests_added += 1
 
     def abort_request(self, request_ids: str | list[str]) -> None:
         ids = [request_ids] if isinstance(request_ids, str) else request_ids
@@ -180,6 +204,7 @@ class DataParallelRank:
         if scheduled.is_empty:
             with torch.inference_mode():
                 engine.model.idle_forward()
+            self.stats.idle_steps += 1
             outputs: list[RequestOutput] = []
         else:
             outputs = engine.run_scheduled(scheduled)
@@ -201,18 +226,7 @@ class DataParallelRank:
         return result
 
     def _check_collectives(self) -> None:
-        sequence = "|".join(self.trace or [])
-        digest = int.from_bytes(hashlib.blake2b(sequence.encode(), digest_size=7).digest(), "little")
-        mine = torch.tensor([digest], dtype=torch.int64, device=self._device)
-        gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size(self.group))]
-        dist.all_gather(gathered, mine, group=self.group)
-        digests = [int(t) for t in gathered]
-        if len(set(digests)) > 1:
-            differing = [r for r, d in enumerate(digests) if d != digests[self.rank]]
-            raise CollectiveMismatchError(
-                f"rank {self.rank}: ranks {differing} issued a different collective sequence in step "
-                f"{self.computing_steps}; this rank issued {len(self.trace or [])}: {sequence[:300]}"
-            )
+        check_collective_sequence(self.trace or [], self.group, self.rank, self.computing_steps, self._device)
 
     def _rearrange(self) -> rearrange.Decision:
         """All-reduce the window's load, plan, and (when it pays) move the experts. Collective."""
