@@ -302,7 +302,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     add_serve_arguments(
         sub.add_parser("serve", help="serve a model over OpenAI- and Anthropic-compatible HTTP")
     )
+    from deepinfer.parallel.plan_cli import add_memory_arguments, run_memory
+
+    plan = sub.add_parser("plan", help="capacity planning").add_subparsers(dest="plan", required=True)
+    add_memory_arguments(plan.add_parser("memory", help="per-rank memory at expert-parallel sizes vs HBM"))
     args = parser.parse_args(argv)
+    if args.command == "plan" and args.plan == "memory":
+        return run_memory(args)
     reexec_with_malloc_tuning()
     if args.command == "run":
         return run(args)

@@ -35,7 +35,11 @@ def collectives(rank: int, world: int, port: int) -> None:
     from deepinfer.parallel.rank import CollectiveMismatchError, check_collective_sequence
 
     dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=timedelta(seconds=30)
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(seconds=30),
     )
     try:
         same = ["ep_dispatch+combine:1", "ep_dispatch+combine:2"]

@@ -3,6 +3,7 @@ sequences are checked in debug mode. Real processes on loopback, all stopped by 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -18,7 +19,12 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 def env() -> dict[str, str]:
-    return {**os.environ, "DEEPINFER_NUM_THREADS": "1", "DEEPINFER_ACCELERATOR": "cpu", "PYTHONPATH": str(REPO_ROOT)}
+    return {
+        **os.environ,
+        "DEEPINFER_NUM_THREADS": "1",
+        "DEEPINFER_ACCELERATOR": "cpu",
+        "PYTHONPATH": str(REPO_ROOT),
+    }
 
 
 def gone(pid: int, within: float) -> bool:
@@ -54,10 +60,8 @@ def finish(proc: subprocess.Popen, pids: list[int], within: float) -> tuple[floa
     except subprocess.TimeoutExpired:
         proc.kill()
         for pid in pids:
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
         proc.communicate()
         pytest.fail(f"the front did not exit within {within} s of the rank failure")
     return time.monotonic() - start, err
@@ -89,9 +93,12 @@ def test_collective_sequence_mismatch_is_detected() -> None:
     procs = [
         subprocess.Popen(
             [sys.executable, str(SCRIPT), "collectives", str(r), "2", str(port)],
-            cwd=REPO_ROOT, env={**env(), "GLOO_SOCKET_IFNAME": "lo"}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            cwd=REPO_ROOT,
+            env={**env(), "GLOO_SOCKET_IFNAME": "lo"},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
             text=True,
-        )  # fmt: skip
+        )
         for r in range(2)
     ]
     try:
