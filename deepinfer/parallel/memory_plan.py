@@ -120,9 +120,16 @@ def plan_memory(
         free = int(chip.hbm_bytes * memory_utilization) - expert_bytes - replicated - activations
         fits.append(ChipFit(key, chip.hbm_bytes, free, max(0, free) // kv_per_token))
     return MemoryPlan(
-        ep, weight_format, num_redundant_experts, slots // ep if experts else 0, expert_bytes, replicated,
-        activations, kv_per_token, fits,
-    )  # fmt: skip
+        ep,
+        weight_format,
+        num_redundant_experts,
+        slots // ep if experts else 0,
+        expert_bytes,
+        replicated,
+        activations,
+        kv_per_token,
+        fits,
+    )
 
 
 def load_config(path: str | Path) -> ModelConfig:

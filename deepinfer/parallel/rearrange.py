@@ -54,9 +54,14 @@ def _transfers(old: list[int], new: list[int], per_rank: int) -> list[tuple[int,
 
 
 def plan(
-    load: Tensor, shard: ExpertShard, num_groups: int, num_nodes: int, bytes_per_slot: int, min_gain: float,
+    load: Tensor,
+    shard: ExpertShard,
+    num_groups: int,
+    num_nodes: int,
+    bytes_per_slot: int,
+    min_gain: float,
     gain_per_gib: float,
-) -> Decision:  # fmt: skip
+) -> Decision:
     """Decide on a new placement for ``load`` [layers, experts] (tokens per logical expert, summed over
     the ranks): apply it when ``after - before > min_gain + gain_per_gib * GiB moved``."""
     world = shard.world

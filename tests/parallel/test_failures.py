@@ -41,8 +41,12 @@ def gone(pid: int, within: float) -> bool:
 def start_front(timeout_s: float) -> tuple[subprocess.Popen, list[int]]:
     proc = subprocess.Popen(
         [sys.executable, str(SCRIPT), "front", str(timeout_s)],
-        cwd=REPO_ROOT, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
+        cwd=REPO_ROOT,
+        env=env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     pids: list[int] = []
     deadline = time.monotonic() + 120
     for line in proc.stdout:
