@@ -113,3 +113,25 @@ def test_rejected_request_is_an_error_and_the_ranks_keep_serving() -> None:
         assert_all_blocks_free(llm)
     finally:
         stop(llm)
+
+
+def test_live_eplb_moves_experts_while_serving_and_outputs_do_not_change() -> None:
+    """Every 3 computing steps the ranks plan a placement from the window's expert load and, when the
+    predicted balance rises (threshold 0 here), move expert weights between ranks mid-generation: no
+    request is dropped and the tokens and logprobs equal one process's."""
+    model = default_model_path()
+    vocab = json.loads((model / "config.json").read_text())["vocab_size"]
+    prompts, params = prompts_for(vocab, 6, seed=3), params_for(6)
+    ref = run_single(model, prompts, params)
+    llm = start(model, 2, num_redundant_experts=2, eplb_interval=3, eplb_window=50, eplb_min_gain=0.0)
+    try:
+        compare(ref, llm.generate(prompt_token_ids=prompts, sampling_params=params))
+        assert_all_blocks_free(llm)
+        stats = llm.engine.collect_stats()
+        decisions = stats[0].decisions
+        assert decisions == stats[1].decisions, "the ranks took different EPLB decisions"
+        applied = [d for d in decisions if d[4]]
+        assert applied, f"no rearrangement was applied: {decisions}"
+        assert all(after > before and moved > 0 for _, before, after, moved, _ in applied)
+    finally:
+        stop(llm)
