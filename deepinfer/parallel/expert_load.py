@@ -17,8 +17,9 @@ class ExpertLoadRecorder:
         """layers: the MoE layer indices (rows); window: steps kept."""
         self.rows = {layer: i for i, layer in enumerate(layers)}
         self.window = window
-        self.routed = torch.zeros(window, len(layers), num_experts, dtype=torch.int64)
-        self.received = torch.zeros(window, len(layers), dtype=torch.int64)
+        rows = window + 1  # the closed steps plus the one being recorded
+        self.routed = torch.zeros(rows, len(layers), num_experts, dtype=torch.int64)
+        self.received = torch.zeros(rows, len(layers), dtype=torch.int64)
         self.position = 0
         self.steps = 0  # steps recorded in all (the window holds the last min(steps, window))
 
@@ -35,15 +36,14 @@ class ExpertLoadRecorder:
     def advance(self) -> None:
         """Close the current step; the oldest step in the window is forgotten."""
         self.steps += 1
-        self.position = (self.position + 1) % self.window
+        self.position = (self.position + 1) % len(self.routed)
         self.routed[self.position].zero_()
         self.received[self.position].zero_()
 
     def window_load(self) -> Tensor:
         """[layers, experts] tokens routed to each logical expert over the closed steps in the window."""
-        total = self.routed.sum(0) - self.routed[self.position]
-        return total
+        return self.routed.sum(0) - self.routed[self.position]
 
     def last_received(self) -> int:
         """Pairs this rank's experts computed in the last closed step, all layers together."""
-        return int(self.received[(self.position - 1) % self.window].sum())
+        return int(self.received[(self.position - 1) % len(self.received)].sum())

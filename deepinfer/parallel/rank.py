@@ -233,8 +233,6 @@ class DataParallelRank:
         assert self.shard is not None and self.recorder is not None
         load = self.recorder.window_load().to(self._device)
         dist.all_reduce(load, group=self.group)
-        c = self.engine.model_config
-        experts = self.shard.num_experts
         any_moe = next(iter(self.moes.values()))
         bytes_per_slot = (
             any_moe.experts.w13[0].numel() * any_moe.experts.w13.element_size()
@@ -243,7 +241,7 @@ class DataParallelRank:
         decision = rearrange.plan(
             load.cpu(),
             self.shard,
-            c.n_group if experts % max(1, c.n_group) == 0 else 1,
+            self.engine.model_config.n_group,
             self.config.nnodes,
             bytes_per_slot,
             self.config.eplb_min_gain,
