@@ -39,6 +39,10 @@ class GrammarBackend(ABC):
     def consume(self, matcher: Any, tokens: list[int]) -> None:
         """Advance a matcher over accepted tokens."""
 
+    @abstractmethod
+    def valid_prefix(self, matcher: Any, tokens: list[int]) -> int:
+        """How many leading ``tokens`` the matcher accepts from its current state (unchanged)."""
+
 
 class LLGuidanceBackend(GrammarBackend):
     name = "llguidance"
@@ -80,10 +84,18 @@ class LLGuidanceBackend(GrammarBackend):
     def fill(self, rows: list[tuple[Any, int, list[int]]], bitmask: torch.Tensor) -> None:
         import llguidance.torch as llgt
 
-        if any(drafts for _, _, drafts in rows):
-            llgt.fill_next_token_bitmask_par_with_draft_tokens(self.executor, rows, bitmask)
-        else:
-            llgt.fill_next_token_bitmask_par(self.executor, [(m, i) for m, i, _ in rows], bitmask)
+        # llguidance's draft variant refuses a row without drafts (a request still in its prompt, or
+        # whose drafts the grammar cut to none), so such rows take the plain variant.
+        drafted = [row for row in rows if row[2]]
+        plain = [(m, i) for m, i, drafts in rows if not drafts]
+        if drafted:
+            llgt.fill_next_token_bitmask_par_with_draft_tokens(self.executor, drafted, bitmask)
+        if plain:
+            llgt.fill_next_token_bitmask_par(self.executor, plain, bitmask)
+
+    def valid_prefix(self, matcher: Any, tokens: list[int]) -> int:
+        return matcher.validate_tokens(tokens)
 
     def consume(self, matcher: Any, tokens: list[int]) -> None:
         matcher.consume_tokens(tokens)
+

@@ -53,6 +53,16 @@ class StructuredOutputs:
         if matcher is not None:
             self.backend.consume(matcher, tokens)
 
+    def valid_drafts(self, request_id: str, emitted: list[int], drafts: list[int]) -> list[int]:
+        """The longest prefix of ``drafts`` the request's grammar accepts after its current state and
+        then ``emitted`` (this step's tokens, not yet consumed): drafts the grammar forbids could never
+        be accepted, so they are not verified. Unconstrained requests keep all their drafts."""
+        matcher = self.matchers.get(request_id)
+        if matcher is None or not drafts:
+            return drafts
+        valid = self.backend.valid_prefix(matcher, [*emitted, *drafts]) - len(emitted)
+        return drafts[: max(0, valid)]
+
     def start_masks(
         self, rows: list[tuple[str, int, list[int]]], num_rows: int
     ) -> Future[torch.Tensor] | None:
