@@ -64,10 +64,7 @@ class LLGuidanceBackend(GrammarBackend):
             except ValueError as exc:
                 raise GrammarError(f"json_schema is not a valid JSON object: {exc}") from None
         if constraint.kind == "grammar":
-            text = constraint.source
-            if "::=" in text:  # GBNF / EBNF
-                text = self._llg.gbnf_to_lark(text)
-            return m.grammar_from_lark(text)
+            return m.grammar_from_lark(_to_lark(constraint.source))
         choices = json.loads(constraint.source)
         return m.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in choices))
 
@@ -99,3 +96,15 @@ class LLGuidanceBackend(GrammarBackend):
     def consume(self, matcher: Any, tokens: list[int]) -> None:
         matcher.consume_tokens(tokens)
 
+
+def _to_lark(text: str) -> str:
+    """A grammar in llguidance's Lark dialect: GBNF (llama.cpp's EBNF notation, ``root ::= ...``; told
+    apart by its ``::=``) is converted, its ``root`` becoming ``start``; Lark text is kept as it is."""
+    if "::=" not in text:
+        return text
+    from llguidance.gbnf_to_lark import gbnf_to_lark
+
+    try:
+        return gbnf_to_lark(text)
+    except Exception as exc:  # the converter raises plain Exceptions for some syntax errors
+        raise GrammarError(f"grammar is not valid GBNF: {exc}") from exc
