@@ -84,6 +84,8 @@ class LLMEngine:
         c = self.model_config
         self.cache_spec = ops.kv_cache_spec(c.kv_lora_rank, c.qk_rope_head_dim, self.dtype)
         num_blocks = self._num_kv_blocks()
+        self.num_draft_tokens, confidence = self._speculation()
+        self.max_model_len = self._fit_context(num_blocks, self.num_draft_tokens)
         # Graph padding rows read and write one reserved block past the ones the manager hands out.
         cache_blocks = num_blocks + 1 if config.graph_capture else num_blocks
         self.kv_caches = [
@@ -116,7 +118,11 @@ class LLMEngine:
             )
         self.structured = StructuredOutputs(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
         self.runner.structured = self.structured
-        self.num_draft_tokens = self._setup_speculation()
+        if self.num_draft_tokens:
+            self.runner.decode_query_len = 1 + self.num_draft_tokens
+            self.runner.proposer = MTPProposer(
+                self.model, self.kv_caches, self.runner.prepare, self.num_draft_tokens, confidence
+            )
         self.spec_stats = SpecDecodeStats()
         self.cost_model = self._cost_model() if config.step_time_budget_ms else None
         budget = config.max_num_batched_tokens
@@ -160,15 +166,16 @@ class LLMEngine:
             ids.add(self.tokenizer.eos_token_id)
         return frozenset(ids)
 
-    def _setup_speculation(self) -> int:
-        """Attach the MTP drafter to the runner; returns the drafts per request per step (0: off)."""
+    def _speculation(self) -> tuple[int, tuple[ConfidenceHead, float] | None]:
+        """Drafts per request per step (0: speculative decoding off) and, for mtp-confidence, the
+        confidence head (on the device) and its threshold."""
         config = self.config
         if config.speculative is None:
             if config.num_draft_tokens is not None or config.confidence_threshold is not None:
                 raise ValueError(
                     "num_draft_tokens and confidence_threshold need speculative='mtp' or 'mtp-confidence'"
                 )
-            return 0
+            return 0, None
         if config.async_scheduling:
             raise ValueError("speculative decoding does not combine with async_scheduling yet; choose one")
         k = max(1, self.model_config.num_nextn_predict_layers)
@@ -180,10 +187,7 @@ class LLMEngine:
                 head.to(self.device),
                 threshold if config.confidence_threshold is None else config.confidence_threshold,
             )
-        k = config.num_draft_tokens or k
-        self.runner.decode_query_len = 1 + k
-        self.runner.proposer = MTPProposer(self.model, self.kv_caches, self.runner.prepare, k, confidence)
-        return k
+        return config.num_draft_tokens or k, confidence
 
     def _cost_model(self) -> StepCostModel:
         """The calibrated step cost model (measured once per platform/chip/model/dtype, then cached),
@@ -214,14 +218,36 @@ class LLMEngine:
             if self.platform.device_type == "cpu":
                 budget = min(budget, CPU_KV_CACHE_CAP)
         blocks = budget // per_block
-        needed = -(-self.max_model_len // self.cache_spec.block_size)
-        if blocks < needed:
+        if blocks <= 0:
             raise ValueError(
-                f"KV cache of {budget / 2**30:.2f} GiB holds {blocks} blocks, fewer than the {needed} one "
-                f"request of max_model_len={self.max_model_len} needs; lower max_model_len or raise "
+                f"a KV cache of {budget / 2**30:.3f} GiB holds no block of {per_block} bytes; raise "
                 "kv_cache_memory_gib"
             )
         return blocks
+
+    def _fit_context(self, num_blocks: int, lookahead: int) -> int:
+        """The context length one request may use: ``max_model_len`` when the whole KV cache can hold a
+        request that long (with its draft slots), else a startup error naming both numbers; without
+        an explicit ``max_model_len``, the model's maximum is lowered to what the cache holds (logged)."""
+        bs = self.cache_spec.block_size
+        capacity = num_blocks * bs - lookahead
+        if self.max_model_len <= capacity:
+            return self.max_model_len
+        holds = f"{num_blocks} KV blocks of {bs} tokens hold {num_blocks * bs} tokens" + (
+            f" ({lookahead} per request kept for drafts)" if lookahead else ""
+        )
+        if self.config.max_model_len is not None:
+            raise ValueError(
+                f"max_model_len={self.max_model_len} is larger than the KV cache can hold: {holds}, so one "
+                f"request fits at most {capacity} tokens; lower max_model_len or raise num_kv_blocks / "
+                "kv_cache_memory_gib"
+            )
+        if capacity < 2:
+            raise ValueError(f"the KV cache is too small for any request: {holds}; raise num_kv_blocks")
+        logger.warning(
+            "context length lowered from the model's %d to %d tokens: %s", self.max_model_len, capacity, holds
+        )
+        return capacity
 
     # ------------------------------------------------------------------ requests
     def new_request_id(self) -> str:
