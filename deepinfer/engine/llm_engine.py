@@ -36,6 +36,7 @@ from deepinfer.platform.interface import Platform
 from deepinfer.platform.registry import resolve_platform, set_current_platform
 from deepinfer.sampling_params import SamplingParams
 from deepinfer.structured.manager import StructuredOutputs
+from deepinfer.text_input import require_valid_text
 from deepinfer.tokenizer import Tokenizer
 from deepinfer.worker import calibration
 from deepinfer.worker.graphs import DecodeGraphs
@@ -269,7 +270,7 @@ class LLMEngine:
                 raise ValueError("a request needs a prompt or prompt_token_ids")
             if self.tokenizer is None:
                 raise ValueError("this model folder has no tokenizer.json; pass prompt_token_ids")
-            prompt_token_ids = self.tokenizer.encode(prompt)
+            prompt_token_ids = self.tokenizer.encode(require_valid_text(prompt, "prompt"))
         prompt_token_ids = list(prompt_token_ids)
         self._validate_prompt(prompt_token_ids)
         room = self.max_model_len - len(prompt_token_ids)
