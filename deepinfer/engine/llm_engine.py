@@ -262,8 +262,11 @@ class LLMEngine:
         params: SamplingParams,
     ) -> None:
         """Queue a request. Give ``prompt`` (text, tokenized here), ``prompt_token_ids``, or both
-        (the ids are used; the text is echoed back in outputs)."""
-        if request_id in self._children:
+        (the ids are used; the text is echoed back in outputs). Bad input raises ValueError naming
+        what is wrong; whatever it raises, nothing of the request stays behind (no matcher, output
+        state or queued child), so the engine goes on serving the others."""
+        child_ids = [request_id] if params.n == 1 else [f"{request_id}#{i}" for i in range(params.n)]
+        if request_id in self._children or any(c in self.outputs.parent_of for c in child_ids):
             raise ValueError(f"request id {request_id!r} is already in use")
         if prompt_token_ids is None:
             if prompt is None:
@@ -281,32 +284,36 @@ class LLMEngine:
             )
         max_tokens = params.max_tokens or room
         base_seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
-        children = []
-        for i in range(params.n):
-            child_id = request_id if params.n == 1 else f"{request_id}#{i}"
-            seed = base_seed if i == 0 else (base_seed * 1_000_003 + i) % (1 << 63)
-            children.append(
-                Request(
-                    request_id=child_id,
-                    prompt_token_ids=prompt_token_ids,
-                    sampling_params=params,
-                    seed=seed,
-                    max_tokens=max_tokens,
-                    eos_token_ids=self.eos_token_ids,
-                    arrival_time=time.monotonic(),
-                )
+        children = [
+            Request(
+                request_id=child_id,
+                prompt_token_ids=prompt_token_ids,
+                sampling_params=params,
+                seed=base_seed if i == 0 else (base_seed * 1_000_003 + i) % (1 << 63),
+                max_tokens=max_tokens,
+                eos_token_ids=self.eos_token_ids,
+                arrival_time=time.monotonic(),
             )
+            for i, child_id in enumerate(child_ids)
+        ]
         try:
             for child in children:
                 self.structured.add(child.request_id, params)
-        except ValueError:
+            self.outputs.add(request_id, prompt, children)
             for child in children:
-                self.structured.remove(child.request_id)
+                self.scheduler.add_request(child)
+        except BaseException:
+            self._discard(request_id, children)
             raise
-        self.outputs.add(request_id, prompt, children)
+        self._children[request_id] = child_ids
+
+    def _discard(self, request_id: str, children: list[Request]) -> None:
+        """Undo a partly added request: its matchers, output state and queued children."""
         for child in children:
-            self.scheduler.add_request(child)
-        self._children[request_id] = [c.request_id for c in children]
+            self.structured.remove(child.request_id)
+            if self.scheduler.requests.get(child.request_id) is child:
+                self.scheduler.finish_requests([child.request_id], RequestStatus.FINISHED_ABORTED)
+        self.outputs.discard(request_id)
 
     def _validate_prompt(self, ids: list[int]) -> None:
         if not ids:
@@ -386,7 +393,8 @@ class LLMEngine:
 
     def _apply(self, scheduled: SchedulerOutput, result: RunnerOutput) -> list[RequestOutput]:
         for rid, entries in result.prompt_logprobs.items():
-            self.outputs.record_prompt_logprobs(rid, entries)
+            if rid in self.scheduler.requests:  # not aborted while the step ran (async scheduling)
+                self.outputs.record_prompt_logprobs(rid, entries)
         self.scheduler.observe_step_time(scheduled, result.seconds)
         updated = self.scheduler.update_from_output(scheduled, result.sampled, result.drafts)
         self.spec_stats.record(result)

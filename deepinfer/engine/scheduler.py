@@ -146,6 +146,7 @@ class Scheduler:
                 if num_new == 0 or not self.kv.allocate(request, num_new, cached, lookahead=lookahead):
                     break
                 self.waiting.popleft()
+                self.kv.record_prefix_lookup(request, num_cached)
                 request.num_computed_tokens = num_cached
                 if request.num_cached_tokens < 0:
                     request.num_cached_tokens = num_cached
