@@ -19,6 +19,7 @@ request arrived, first token / finish when the front received them.
 from __future__ import annotations
 
 import asyncio
+import errno
 import itertools
 import shutil
 import tempfile
@@ -40,6 +41,7 @@ from deepinfer.tokenizer import Tokenizer
 logger = get_logger(__name__)
 
 Launcher = Callable[[int, str], CoreHandle]
+READ_WAKE_MS = 100
 
 
 class QueueFull(Exception):
@@ -261,8 +263,20 @@ class EngineClient:
     def _spawn(self, coro) -> asyncio.Task:
         task = asyncio.ensure_future(coro)
         self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        task.add_done_callback(self._task_done)
         return task
+
+    def _task_done(self, task: asyncio.Task) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None and not self._stopping:
+            error = task.exception()
+            logger.error("the engine client's %s task failed", task.get_coro().__name__, exc_info=error)
+            self.error = f"the engine channel failed: {type(error).__name__}: {error}"
+            self._fail_all(EngineDead(self.error), None)
+            for core in self._cores.values():
+                core.alive = False
+            if self._on_fatal is not None:
+                self._on_fatal(self.error)
 
     # ------------------------------------------------------------------ state
     @property
@@ -273,6 +287,10 @@ class EngineClient:
     @property
     def healthy(self) -> bool:
         return not self._stopping and any(c.alive and c.ready is not None for c in self._cores.values())
+
+    def core_pids(self) -> dict[int, int]:
+        """engine id -> process id of each live, ready core."""
+        return {i: c.ready.pid for i, c in self._cores.items() if c.alive and c.ready is not None}
 
     @property
     def capacity(self) -> int:
@@ -410,20 +428,35 @@ class EngineClient:
 
     # ------------------------------------------------------------------ from the cores
     async def _read(self) -> None:
+        """Take the cores' messages as they come. The wait is bounded (``READ_WAKE_MS``) and each
+        wake drains the socket without blocking: a readiness edge lost to a signal (SIGTERM starts
+        a drain) can then delay messages by that bound, never stall them."""
+        shadow = zmq.Socket.shadow(self._sock.underlying)
         while True:
-            _, payload = await self._sock.recv_multipart()
-            message = m.decode_from_core(payload)
-            if isinstance(message, m.StepOutputs):
-                self._deliver(message)
-            elif isinstance(message, m.Ready):
-                future = self._ready.get(message.engine_id)
-                if future is not None and not future.done():
-                    future.set_result(message)
-            else:
-                self._cores[message.engine_id].failure = message.error
-                future = self._ready.get(message.engine_id)
-                if message.during_startup and future is not None and not future.done():
-                    future.set_exception(CoreStartupError(message.error))
+            try:
+                await self._sock.poll(READ_WAKE_MS)
+            except zmq.ZMQError as exc:
+                if exc.errno != errno.EINTR:
+                    raise
+            while True:
+                try:
+                    _, payload = shadow.recv_multipart(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                self._dispatch(m.decode_from_core(payload))
+
+    def _dispatch(self, message: m.FromCore) -> None:
+        if isinstance(message, m.StepOutputs):
+            self._deliver(message)
+            return
+        future = self._ready.get(message.engine_id)
+        if isinstance(message, m.Ready):
+            if future is not None and not future.done():
+                future.set_result(message)
+            return
+        self._cores[message.engine_id].failure = message.error
+        if message.during_startup and future is not None and not future.done():
+            future.set_exception(CoreStartupError(message.error))
 
     def _deliver(self, message: m.StepOutputs) -> None:
         core = self._cores.get(message.engine_id)

@@ -58,7 +58,7 @@ async def health(ctx: Serving) -> JSONResponse:
     if ctx.draining:
         reason = "the server is shutting down"
     elif client.healthy:
-        return JSONResponse({"status": "ok"})
+        return JSONResponse({"status": "ok", "engine_cores": client.core_pids()})
     else:
         reason = client.error or "the engine core is starting"
     return JSONResponse(
