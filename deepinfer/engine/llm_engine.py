@@ -139,7 +139,7 @@ class LLMEngine:
             self.kv_cache,
             self.cost_model,
         )
-        self.outputs = OutputProcessor(self.tokenizer)
+        self.outputs = OutputProcessor(self.tokenizer, config.detokenize)
         self._rng = random.Random(config.seed)
         self._ids = itertools.count()
         self._children: dict[str, list[str]] = {}
