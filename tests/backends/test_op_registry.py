@@ -79,8 +79,9 @@ def test_declared_fallbacks_run_the_reference_and_are_logged(caplog: pytest.LogC
 
 
 def test_dispatch_goes_to_the_active_backend() -> None:
-    activate(resolve_platform("cpu"))
-    assert active_ops().backend == "deepinfer.backends.reference"
+    platform = resolve_platform("cpu")
+    activate(platform)
+    assert active_ops().backend == platform.op_backend == "deepinfer.backends.cpu.backend"
     x = torch.randn(2, 6)
     assert torch.equal(ops.silu_and_mul(x), torch.nn.functional.silu(x[:, :3]) * x[:, 3:])
 
