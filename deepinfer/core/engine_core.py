@@ -158,9 +158,12 @@ class EngineCore:
         self._scheduled_at.pop(rid, None)
 
     def _step(self) -> list[m.RequestDelta]:
-        engine = self.engine
         started = time.monotonic()
-        outputs = engine.step()
+        return self._deltas(self.engine.step(), started)
+
+    def _deltas(self, outputs: list[RequestOutput], started: float) -> list[m.RequestDelta]:
+        """The token deltas of a step's outputs (``started``: when the step began)."""
+        engine = self.engine
         if self._unscheduled:
             parent_of = engine.outputs.parent_of
             for request in engine.scheduler.running:

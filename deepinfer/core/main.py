@@ -51,14 +51,26 @@ def main(argv: list[str]) -> int:
     from deepinfer.core.engine_core import EngineCore
     from deepinfer.engine.llm_engine import LLMEngine
 
+    parallel = spec.engine.data_parallel_size > 1  # core i is data-parallel rank i (deepinfer.parallel.core)
     try:
-        engine = LLMEngine(spec.engine)
+        if parallel:
+            from deepinfer.parallel.core import DataParallelCore, build_rank
+
+            rank = build_rank(spec.engine, spec.engine_id)
+        else:
+            engine = LLMEngine(spec.engine)
     except Exception as exc:
         logger.error("engine core %d could not start: %s", spec.engine_id, exc)
         report_startup_failure(spec, exc)
         return 2
     try:
-        EngineCore(engine, spec.engine_id, spec.address, spec.parent_pid).serve()
+        if parallel:
+            try:
+                DataParallelCore(rank, spec.engine_id, spec.address, spec.parent_pid).serve()
+            finally:
+                rank.close()
+        else:
+            EngineCore(engine, spec.engine_id, spec.address, spec.parent_pid).serve()
     except Exception:
         return 1
     return 0

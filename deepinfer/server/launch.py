@@ -133,6 +133,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help="cut prompt chunks to this predicted step time (default: off)",
     )
     parser.add_argument("--async-scheduling", action="store_true", help="plan step N+1 while step N computes")
+    from deepinfer.parallel.serve_args import add_parallel_arguments
+
+    add_parallel_arguments(parser)
     parser.add_argument(
         "--log-level",
         default=_default(ServerConfig, "log_level"),
@@ -155,6 +158,9 @@ def engine_config(args: argparse.Namespace, model: Path) -> EngineConfig:
         "step_time_budget_ms": args.step_time_budget_ms,
         "async_scheduling": args.async_scheduling or None,
     }
+    from deepinfer.parallel.serve_args import parallel_options
+
+    options.update(parallel_options(args))
     return EngineConfig(
         model=str(model), detokenize=False, **{k: v for k, v in options.items() if v is not None}
     )
@@ -213,6 +219,10 @@ def serve(args: argparse.Namespace) -> int:
         raise ValueError(f"--model {model}: not a model folder (no config.json)")
     engine = engine_config(args, model)
     config = server_config(args, model)
+    if engine.data_parallel_size > 1 and config.restart_engine:
+        raise ValueError(
+            "--restart-engine does not combine with --data-parallel-size > 1 (a rank cannot rejoin)"
+        )
     try:
         sock = bind(config.host, config.port)
     except OSError as exc:
@@ -247,6 +257,7 @@ def _serve(model: Path, engine: EngineConfig, config: ServerConfig, sock: socket
         ),
         tokenizer,
         config.max_queued_requests,
+        num_cores=engine.data_parallel_size,  # data parallel: core i is rank i
         restart=config.restart_engine,
         on_fatal=lambda reason: holder["server"].fatal(reason),
         request_timeout_s=config.request_timeout_s,
