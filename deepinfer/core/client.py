@@ -336,7 +336,7 @@ class EngineClient:
             raise QueueFull(f"{len(self._requests)} requests in flight (the limit is {self.capacity})")
         engine_id, core = min(
             ((i, c) for i, c in self._cores.items() if c.alive and c.ready is not None),
-            key=lambda item: item[1].in_flight,
+            key=lambda item: (item[1].in_flight, item[1].stats.kv_cache_usage),  # DeepSeek's decode rule
         )
         request_id = f"srv-{next(self._ids)}"
         stream = RequestStream(self, request_id)
