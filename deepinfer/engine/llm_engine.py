@@ -40,6 +40,7 @@ from deepinfer.text_input import require_valid_text
 from deepinfer.tokenizer import Tokenizer
 from deepinfer.worker import calibration
 from deepinfer.worker.graphs import DecodeGraphs
+from deepinfer.worker.inputs import InputBuilder
 from deepinfer.worker.model_runner import ModelRunner, RunnerOutput
 from deepinfer.worker.spec_decode import ConfidenceHead, MTPProposer
 
@@ -97,16 +98,15 @@ class LLMEngine:
                 for tensor in layer:
                     tensor.zero_()  # padding rows read the reserved block: keep it finite
         self.kv_cache = KVCacheManager(num_blocks, self.cache_spec.block_size, config.enable_prefix_caching)
-        self.runner = ModelRunner(
-            self.model,
-            self.kv_caches,
-            self.cache_spec.block_size,
-            self.device,
-            self.eos_token_ids,
-            self.platform.synchronize,
+        self.structured = StructuredOutputs(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
+        inputs = InputBuilder(self.cache_spec.block_size, self.device, 1 + self.num_draft_tokens)
+        proposer = (
+            MTPProposer(self.model, self.kv_caches, inputs, self.num_draft_tokens, confidence)
+            if self.num_draft_tokens
+            else None
         )
-        if config.graph_capture:
-            self.runner.graphs = DecodeGraphs(
+        graphs = (
+            DecodeGraphs(
                 self.model,
                 self.kv_caches,
                 self.platform.graph,
@@ -117,13 +117,19 @@ class LLMEngine:
                 self.device,
                 active_ops().graph_session,
             )
-        self.structured = StructuredOutputs(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
-        self.runner.structured = self.structured
-        if self.num_draft_tokens:
-            self.runner.decode_query_len = 1 + self.num_draft_tokens
-            self.runner.proposer = MTPProposer(
-                self.model, self.kv_caches, self.runner.prepare, self.num_draft_tokens, confidence
-            )
+            if config.graph_capture
+            else None
+        )
+        self.runner = ModelRunner(
+            self.model,
+            self.kv_caches,
+            inputs,
+            self.eos_token_ids,
+            self.platform.synchronize,
+            structured=self.structured,
+            proposer=proposer,
+            graphs=graphs,
+        )
         self.spec_stats = SpecDecodeStats()
         self.cost_model = self._cost_model() if config.step_time_budget_ms else None
         budget = config.max_num_batched_tokens
