@@ -8,28 +8,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from deepinfer import __version__, envs
-
-MALLOC_TUNABLES = "glibc.malloc.mmap_threshold=4294967295:glibc.malloc.trim_threshold=4294967295"
-
-
-def reexec_with_malloc_tuning() -> None:
-    """Re-execute this process once with glibc's malloc thresholds raised: without it, large
-    temporaries are mmapped and unmapped every step and page faults can double the run time."""
-    if (
-        os.environ.get("GLIBC_TUNABLES")
-        or not envs.get("DEEPINFER_MALLOC_TUNING")
-        or not sys.platform.startswith("linux")
-    ):
-        return
-    env = {**os.environ, "GLIBC_TUNABLES": MALLOC_TUNABLES}
-    os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)
+from deepinfer import __version__
+from deepinfer.malloc_tuning import reexec_with_malloc_tuning
 
 
 def add_run_arguments(parser: argparse.ArgumentParser) -> None:
