@@ -25,7 +25,8 @@ class HelpFormatter(argparse.HelpFormatter):
     def _get_help_string(self, action: argparse.Action) -> str | None:
         text = action.help or ""
         default = action.default
-        if "%(default)" in text or default in (None, False, argparse.SUPPRESS) or not action.option_strings:
+        hidden = default is None or default is False or default is argparse.SUPPRESS
+        if "%(default)" in text or hidden or not action.option_strings:
             return text
         return f"{text} (default: %(default)s)" if text else "(default: %(default)s)"
 
@@ -78,12 +79,16 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
         "--model", help="Hugging Face model folder (default: the bundled deepinfer-tiny-coder)"
     )
     parser.add_argument("--max-tokens", type=int, default=128, help="tokens to generate per prompt")
-    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--top-k", type=int, default=0)
-    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    parser.add_argument(
+        "--top-p", type=float, default=1.0, help="nucleus sampling: keep this probability mass"
+    )
+    parser.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0: all)")
+    parser.add_argument("--seed", type=int, default=None, help="sampling seed (default: random)")
     parser.add_argument("--accelerator", help="cpu | nvidia | ascend | auto (default: DEEPINFER_ACCELERATOR)")
-    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    parser.add_argument(
+        "--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"], help="weights' dtype"
+    )
     parser.add_argument("--stream", action="store_true", help="print text as it is generated")
     parser.add_argument("--json", action="store_true", help="print one JSON object per prompt")
 
