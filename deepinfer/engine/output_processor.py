@@ -83,6 +83,13 @@ class OutputProcessor:
             self.parent_of[child.request_id] = request_id
         self.states[request_id] = state
 
+    def discard(self, request_id: str) -> None:
+        """Forget a request without an output (it was never queued); unknown ids are ignored."""
+        state = self.states.pop(request_id, None)
+        if state is not None:
+            for child in state.children:
+                self.parent_of.pop(child, None)
+
     def _decode_token(self, token: int) -> str:
         if self.tokenizer is None or not self.detokenize:
             return ""
