@@ -76,7 +76,9 @@ class Scheduler:
         self.waiting.append(request)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running or (self.connector is not None and self.connector.num_loading))
+        return bool(
+            self.waiting or self.running or (self.connector is not None and self.connector.num_loading)
+        )
 
     def finish_requests(
         self, request_ids: Iterable[str], status: RequestStatus, reason: str | None = None

@@ -41,7 +41,7 @@ class KVStoreConfig(BaseModel):
     @classmethod
     def _parse_ttls(cls, value: object) -> object:
         if isinstance(value, str):
-            return parse_ttls(value, "ttls")
+            return parse_ttls(value)
         return value
 
     @field_validator("ttls")

@@ -28,6 +28,7 @@ later hit on them replays too.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -135,10 +136,8 @@ class StoreConnector:
     def idle_wait(self, timeout: float = 0.005) -> None:
         """With nothing to compute, wait up to ``timeout`` s for a pending load (none: return)."""
         for load in self._loading.values():
-            try:
+            with contextlib.suppress(TimeoutError):
                 load.handle.wait(timeout)
-            except TimeoutError:
-                pass
             return
 
     def is_loading(self, request: Request) -> bool:
@@ -170,6 +169,7 @@ class StoreConnector:
     def poll(self) -> list[Request]:
         """Finish completed loads (copy into device blocks, register, release); returns their
         requests, to be admitted again."""
+        self.store.maybe_collect()
         done = []
         for rid, load in list(self._loading.items()):
             if not load.handle.done():

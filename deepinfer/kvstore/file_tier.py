@@ -19,6 +19,7 @@ during file I/O, so a lookup from the engine thread never waits for an fsync.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
@@ -81,7 +82,7 @@ class FileTier:
         now = self.clock()
         index: dict[bytes, Entry] = {}
         for sub in self.dir.iterdir():
-            if not sub.is_dir():
+            if not sub.is_dir() or sub.name == "stats":
                 continue
             for entry in os.scandir(sub):
                 try:
@@ -270,6 +271,7 @@ class FileTier:
             entry = self.index.pop(key, None)
             if entry is not None:
                 self.used -= entry.size
+                self._gauges()
 
     def _corrupt(self, key: bytes, reason: str, path: Path) -> None:
         self.counters.corrupt_reads += 1
@@ -287,10 +289,8 @@ class FileTier:
 
 
 def _unlink(path: str | Path) -> None:
-    try:
+    with contextlib.suppress(FileNotFoundError):
         os.unlink(path)
-    except FileNotFoundError:
-        pass
 
 
 def _fsync_dir(path: Path) -> None:

@@ -27,15 +27,15 @@ LOW_WATERMARK = 0.85
 _CLASS_NAME = re.compile(r"^[a-z][a-z0-9_-]{0,15}$")
 
 
-def parse_duration(text: str, option: str = "--kv-ttl") -> float:
+def parse_duration(text: str) -> float:
     """``"90s"``, ``"30m"``, ``"12h"``, ``"3d"`` (or plain seconds) -> seconds (> 0)."""
     m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([smhd]?)\s*", text)
     if m is None or float(m.group(1)) <= 0:
-        raise ValueError(f"{option}: {text!r} is not a positive duration like 90s, 30m, 12h or 3d")
+        raise ValueError(f"{text!r} is not a positive duration like 90s, 30m, 12h or 3d")
     return float(m.group(1)) * UNITS[m.group(2) or "s"]
 
 
-def parse_ttls(text: str, option: str = "--kv-ttl") -> dict[str, float]:
+def parse_ttls(text: str) -> dict[str, float]:
     """``"agent=3d,chat=7d"`` -> {class: seconds}. Class names: lowercase, 1-16 of [a-z0-9_-]."""
     out: dict[str, float] = {}
     for part in (p for p in text.split(",") if p.strip()):
@@ -43,14 +43,14 @@ def parse_ttls(text: str, option: str = "--kv-ttl") -> dict[str, float]:
         name = name.strip()
         if not sep or not _CLASS_NAME.match(name):
             raise ValueError(
-                f"{option}: {part.strip()!r} is not CLASS=DURATION (class: lowercase letters, digits, "
+                f"{part.strip()!r} is not CLASS=DURATION (class: lowercase letters, digits, "
                 "_ or -, up to 16; duration like 3d)"
             )
         if name in out:
-            raise ValueError(f"{option}: class {name!r} is given twice")
-        out[name] = parse_duration(value, option)
+            raise ValueError(f"class {name!r} is given twice")
+        out[name] = parse_duration(value)
     if not out:
-        raise ValueError(f"{option}: no classes given (expected e.g. agent=3d,chat=7d)")
+        raise ValueError("no classes given (expected e.g. agent=3d,chat=7d)")
     return out
 
 

@@ -19,6 +19,9 @@ expired, which is how a prefill worker keeps blocks for the decode worker it han
 from __future__ import annotations
 
 import itertools
+import json
+import os
+import socket
 import queue
 import threading
 import time
@@ -124,6 +127,7 @@ class KVStore:
         self._writer = threading.Thread(target=self._write_loop, name="deepinfer-kv-write", daemon=True)
         self._writer.start()
         self._closed = False
+        self._last_collect = clock()
 
     # ------------------------------------------------------------------ lookup
     def lookup(self, keys: Sequence[bytes], cls: str | None = None) -> int:
@@ -327,7 +331,28 @@ class KVStore:
             if tier.shared:
                 tier.rescan()
             removed += tier.collect(now)
+        self._record_stats()
         return removed
+
+    COLLECT_INTERVAL_S = 60.0
+
+    def maybe_collect(self) -> None:
+        """Every ``COLLECT_INTERVAL_S``: collect expired entries on the loader thread (never here)."""
+        now = self.clock()
+        if now - self._last_collect >= self.COLLECT_INTERVAL_S:
+            self._last_collect = now
+            self._loader.submit(self.collect)
+
+    def _record_stats(self) -> None:
+        """Write this process's counters into each file tier's ``stats/`` (for ``deepinfer kvstore stats``)."""
+        data = json.dumps(self.snapshot()).encode()
+        name = f"{socket.gethostname()}-{os.getpid()}.json"
+        for tier in self.files:
+            folder = tier.dir / "stats"
+            folder.mkdir(exist_ok=True)
+            tmp = folder / f".tmp.{name}"
+            tmp.write_bytes(data)
+            os.replace(tmp, folder / name)
 
     def snapshot(self) -> dict:
         with self._lock:
@@ -341,3 +366,4 @@ class KVStore:
         self._writes.put(None)
         self._writer.join()
         self._loader.shutdown(wait=True)
+        self._record_stats()

@@ -53,6 +53,7 @@ class EngineStats:
     prefix_queries: int = 0  # prompt tokens looked up in the prefix cache, since start
     prefix_hits: int = 0  # of which found
     spec: SpecDecodeStats = field(default_factory=SpecDecodeStats)  # speculative decoding, since start
+    kv_store: dict | None = None  # KV store counters (deepinfer.kvstore.metrics), None when off
 
     @property
     def kv_cache_usage(self) -> float:
@@ -294,4 +295,5 @@ class AsyncEngine:
             prefix_queries=kv.prefix_queries,
             prefix_hits=kv.prefix_hits,
             spec=replace(engine.spec_stats),
+            kv_store=engine.kv_store_stats(),
         )

@@ -88,6 +88,7 @@ def serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from deepinfer.engine.llm_engine import LLMEngine
+    from deepinfer.kvstore.cli import config_from_args as kvstore_config_from_args
     from deepinfer.model_zoo import default_model_path
     from deepinfer.server.app import build_app
 
@@ -104,6 +105,7 @@ def serve(args: argparse.Namespace) -> int:
         "num_draft_tokens": args.num_draft_tokens,
         "step_time_budget_ms": args.step_time_budget_ms,
         "async_scheduling": args.async_scheduling or None,
+        "kv_store": kvstore_config_from_args(args),
     }
     engine_config = EngineConfig(
         model=str(model), **{k: v for k, v in engine_options.items() if v is not None}
