@@ -153,7 +153,7 @@ class FileTier:
         """A hit or a repeated save: last use = now, expiry extended for ``cls`` (never shortened)."""
         with self.lock:
             entry = self.index.get(key)
-            if entry is None:
+            if entry is None or entry.expires_at <= now:  # an expired entry is never revived
                 return
             entry.last_used = now
             entry.expires_at = self.policy.expiry(entry.expires_at, now, cls)

@@ -121,7 +121,8 @@ class KVStore:
         self._holds: dict[int, tuple[list[bytes], list[int], float]] = {}
         self._hold_ids = itertools.count(1)
         self._loader = ThreadPoolExecutor(1, thread_name_prefix="deepinfer-kv-load")
-        self._writes: queue.Queue[tuple[bytes, int, str] | None] = queue.Queue()
+        # (key, slot or None for a touch, class) for the writer thread; None stops it
+        self._writes: queue.Queue[tuple[bytes, int | None, str] | None] = queue.Queue()
         self._pending = 0
         self._idle = threading.Condition(self._lock)
         self._writer = threading.Thread(target=self._write_loop, name="deepinfer-kv-write", daemon=True)
@@ -168,6 +169,9 @@ class KVStore:
                     self.metrics.tier("host").hits += 1
                     self.metrics.tier("host").bytes_read += self.slot_bytes
                     slots.append(slot)
+                for tier in self.files:  # the hit extends the files' expiry too
+                    tier.touch(key, now, cls)
+                if slot is not None:
                     continue
             payload = None
             for tier in self.files:
@@ -234,6 +238,9 @@ class KVStore:
             if self.host.get(key, now) is None:
                 return False
             self.host.touch(key, now, cls)
+            if self.files:
+                self._pending += 1
+                self._writes.put((key, None, cls))  # the writer extends the files' expiry
             return True
 
     def commit(self, key: bytes, slot: int, cls: str) -> None:
@@ -273,14 +280,19 @@ class KVStore:
                     break
                 batch.append(more)
             try:
-                items = [(key, self.host.data[slot].numpy().tobytes(), cls) for key, slot, cls in batch]
                 now = self.clock()
+                for key, slot, cls in batch:
+                    if slot is None:
+                        for tier in self.files:
+                            tier.touch(key, now, cls)
+                items = [(k, self.host.data[s].numpy().tobytes(), c) for k, s, c in batch if s is not None]
                 for tier in self.files:
                     tier.write_batch(items, now)
             finally:
                 with self._lock:
                     for _, slot, _ in batch:
-                        self.host.release(slot)
+                        if slot is not None:
+                            self.host.release(slot)
                     self._pending -= len(batch)
                     self._idle.notify_all()
 
