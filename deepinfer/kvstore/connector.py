@@ -77,6 +77,7 @@ class StoreConnector:
         self.synchronize = synchronize
         self.policy = RetentionPolicy(dict(config.ttls), config.default_class)
         self.full_layers = [i for i, w in enumerate(windows) if w is None]
+        self.swa_layers = [i for i, w in enumerate(windows) if w is not None]
         swa = [w for w in windows if w is not None]
         self.window = max(swa) if swa else 0
         self.num_swa_layers = len(swa)
@@ -255,6 +256,9 @@ class StoreConnector:
             dst = self.kv_caches[layer][t][block_id]
             dst.copy_(host[offset : offset + n].view(dst.dtype).view(dst.shape), non_blocking=True)
             offset += n
+        for layer in self.swa_layers:  # not stored: zeros (finite) until the replay writes them
+            for tensor in self.kv_caches[layer]:
+                tensor[block_id].zero_()
 
     def _copy_out(self, block_id: int, host: torch.Tensor) -> None:
         offset = 0
