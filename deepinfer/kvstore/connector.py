@@ -178,13 +178,12 @@ class StoreConnector:
             del self._loading[rid]
             slots = load.handle.slots
             hashes = load.request.block_hashes
-            for i, (block, slot) in enumerate(zip(load.blocks, slots)):
-                self._copy_in(self.store.slot(slot), block.block_id)
+            self._copy_in(slots, [b.block_id for b in load.blocks[: len(slots)]])
+            for i, block in enumerate(load.blocks[: len(slots)]):
                 block_hash = hashes[load.first + i]
                 self.pool.register(block, block_hash)
                 if self.num_swa_layers:
                     self._no_swa[block.block_id] = block_hash
-            self.synchronize()
             load.handle.release()
             self.pool.release(list(reversed(load.held + load.blocks)))
             done.append(load.request)
@@ -244,28 +243,39 @@ class StoreConnector:
             slot = self.store.reserve()
             if slot is None:
                 break
-            self._copy_out(block_id, self.store.slot(slot))
-            reserved.append((key, slot, cls))
-        self.synchronize()
-        for key, slot, cls in reserved:
+            reserved.append((key, slot, cls, block_id))
+        if not reserved:
+            return
+        self._copy_out([r[3] for r in reserved], [r[1] for r in reserved])
+        for key, slot, cls, _ in reserved:
             self.store.commit(key, slot, cls)
 
-    def _copy_in(self, host: torch.Tensor, block_id: int) -> None:
+    def _copy_in(self, slots: list[int], block_ids: list[int]) -> None:
+        """Host slots -> device blocks, one gather and one indexed copy per cache tensor."""
+        if not slots:
+            return
+        host = self.store.host.data[torch.tensor(slots)]  # [n, slot_bytes]
+        device = self.kv_caches[0][0].device
+        ids = torch.tensor(block_ids, device=device)
         offset = 0
         for layer, t, n in self._segments:
-            dst = self.kv_caches[layer][t][block_id]
-            dst.copy_(host[offset : offset + n].view(dst.dtype).view(dst.shape), non_blocking=True)
+            dst = self.kv_caches[layer][t]
+            part = host[:, offset : offset + n].contiguous().view(dst.dtype).view(len(slots), *dst.shape[1:])
+            dst.index_copy_(0, ids, part.to(device))
             offset += n
         for layer in self.swa_layers:  # not stored: zeros (finite) until the replay writes them
             for tensor in self.kv_caches[layer]:
-                tensor[block_id].zero_()
+                tensor.index_fill_(0, ids, 0)
+        self.synchronize()
 
-    def _copy_out(self, block_id: int, host: torch.Tensor) -> None:
-        offset = 0
-        for layer, t, n in self._segments:
-            src = self.kv_caches[layer][t][block_id]
-            host[offset : offset + n].view(src.dtype).view(src.shape).copy_(src, non_blocking=True)
-            offset += n
+    def _copy_out(self, block_ids: list[int], slots: list[int]) -> None:
+        """Device blocks -> host slots (call after the forward that computed them)."""
+        ids = torch.tensor(block_ids, device=self.kv_caches[0][0].device)
+        parts = [
+            self.kv_caches[layer][t].index_select(0, ids).view(len(ids), -1).view(torch.uint8).cpu()
+            for layer, t, _ in self._segments
+        ]
+        self.store.host.data[torch.tensor(slots)] = torch.cat(parts, dim=1)
 
     def stats(self) -> dict:
         return self.store.snapshot()

@@ -83,6 +83,7 @@ class LoadHandle:
 
 
 class KVStore:
+    READ_THREADS = 4  # file reads in flight per load
     def __init__(
         self,
         namespace: StoreNamespace,
@@ -121,6 +122,7 @@ class KVStore:
         self._holds: dict[int, tuple[list[bytes], list[int], float]] = {}
         self._hold_ids = itertools.count(1)
         self._loader = ThreadPoolExecutor(1, thread_name_prefix="deepinfer-kv-load")
+        self._readers = ThreadPoolExecutor(self.READ_THREADS, thread_name_prefix="deepinfer-kv-read")
         # (key, slot or None for a touch, class) for the writer thread; None stops it
         self._writes: queue.Queue[tuple[bytes, int | None, str] | None] = queue.Queue()
         self._pending = 0
@@ -157,51 +159,63 @@ class KVStore:
 
     def _load(self, keys: list[bytes], cls: str) -> list[int]:
         start = time.perf_counter()
+        now = self.clock()
+        with self._lock:
+            in_host = [self.host.get(key, now) is not None for key in keys]
+        # Files are read ahead on the reader threads (reads release the GIL), consumed in order.
+        reads = {i: self._readers.submit(self._read_files, key, now, cls) for i, key in enumerate(keys) if not in_host[i]}
         slots: list[int] = []
         promoted = []
-        for key in keys:
-            now = self.clock()
-            with self._lock:
-                slot = self.host.get(key, now)
-                if slot is not None:
-                    self.host.lease(slot)
-                    self.host.touch(key, now, cls)
-                    self.metrics.tier("host").hits += 1
-                    self.metrics.tier("host").bytes_read += self.slot_bytes
-                    slots.append(slot)
-                for tier in self.files:  # the hit extends the files' expiry too
-                    tier.touch(key, now, cls)
-                if slot is not None:
-                    continue
-            payload = None
-            for tier in self.files:
-                payload = tier.read(key, now)
-                if payload is not None:
-                    tier.touch(key, now, cls)
-                    break
-            if payload is None or len(payload) != self.slot_bytes:
-                break
-            with self._lock:
-                slot = self.host.reserve(now)
-                if slot is None:
-                    self.metrics.saves_refused += 1
-                    break
-            self.host.data[slot].numpy()[:] = memoryview(payload).cast("B")
-            with self._lock:
-                if not self.host.commit(key, slot, now, cls):  # someone promoted it meanwhile
-                    self.host.release(slot)
+        try:
+            for i, key in enumerate(keys):
+                with self._lock:
                     slot = self.host.get(key, now)
+                    if slot is not None:
+                        self.host.lease(slot)
+                        self.host.touch(key, now, cls)
+                        self.metrics.tier("host").hits += 1
+                        self.metrics.tier("host").bytes_read += self.slot_bytes
+                if slot is not None:
+                    for tier in self.files:  # the hit extends the files' expiry too
+                        tier.touch(key, now, cls)
+                    slots.append(slot)
+                    continue
+                payload = reads[i].result() if i in reads else self._read_files(key, now, cls)
+                if payload is None or len(payload) != self.slot_bytes:
+                    break
+                with self._lock:
+                    slot = self.host.reserve(now)
                     if slot is None:
+                        self.metrics.saves_refused += 1
                         break
-                    self.host.lease(slot)
-                else:
-                    promoted.append((key, slot))
-            slots.append(slot)
+                self.host.data[slot].numpy()[:] = memoryview(payload).cast("B")
+                with self._lock:
+                    if not self.host.commit(key, slot, now, cls):  # someone promoted it meanwhile
+                        self.host.release(slot)
+                        slot = self.host.get(key, now)
+                        if slot is None:
+                            break
+                        self.host.lease(slot)
+                    else:
+                        promoted.append((key, slot))
+                slots.append(slot)
+        finally:
+            for future in reads.values():
+                future.cancel()
         with self._lock:
             self.metrics.observe_load(time.perf_counter() - start)
         for key, slot in promoted:  # write behind to the tiers that lack it (touches the others)
             self._queue_write(key, slot, cls)
         return slots
+
+    def _read_files(self, key: bytes, now: float, cls: str) -> memoryview | None:
+        """The verified payload from the fastest file tier holding ``key`` (its expiry extended)."""
+        for tier in self.files:
+            payload = tier.read(key, now)
+            if payload is not None:
+                tier.touch(key, now, cls)
+                return payload
+        return None
 
     def _release(self, slots: list[int]) -> None:
         with self._lock:
@@ -378,4 +392,5 @@ class KVStore:
         self._writes.put(None)
         self._writer.join()
         self._loader.shutdown(wait=True)
+        self._readers.shutdown(wait=True)
         self._record_stats()
