@@ -150,7 +150,9 @@ def bench_swa_drift(root: Path) -> dict:
         store = KVStoreConfig(path=str(root / f"swa-{mode}-{tokens}"), host_cache_gib=0.05, swa_replay=mode,
                               swa_replay_tokens=tokens)  # fmt: skip
         LLM(model=str(folder), kv_store=store).generate(prompt_token_ids=[prompt], sampling_params=sp)
-        hit = rows(LLM(model=str(folder), kv_store=store).generate(prompt_token_ids=[prompt], sampling_params=sp)[0])
+        hit = rows(
+            LLM(model=str(folder), kv_store=store).generate(prompt_token_ids=[prompt], sampling_params=sp)[0]
+        )
         drift = max(abs(a[t] - b[t]) for a, b in zip(hit, cold) for t in a.keys() & b.keys())
         out[f"{mode}_{tokens if mode == 'bounded' else 'receptive_field'}"] = drift
     return {"max_abs_logprob_drift": out, "window": 64, "swa_layers": 2, "prompt_tokens": 600}
@@ -169,10 +171,21 @@ def main() -> None:
         root = Path(tmp)
         t0 = time.perf_counter()
         result = {"ttft": bench_ttft(args.prompt_len, args.reps, root)}
-        print(json.dumps({k: result["ttft"][k] for k in ("median_ttft_s", "speedup_disk_vs_cold", "speedup_host_vs_cold")}))
+        print(
+            json.dumps(
+                {
+                    k: result["ttft"][k]
+                    for k in ("median_ttft_s", "speedup_disk_vs_cold", "speedup_host_vs_cold")
+                }
+            )
+        )
         if not args.skip_throughput:
             result["throughput"] = bench_throughput(args.reps, root)
-            print(json.dumps({k: result["throughput"][k] for k in ("median_output_tokens_per_s", "ratio_on_over_off")}))
+            print(
+                json.dumps(
+                    {k: result["throughput"][k] for k in ("median_output_tokens_per_s", "ratio_on_over_off")}
+                )
+            )
         if args.swa:
             result["swa"] = bench_swa_drift(root)
             print(json.dumps(result["swa"]))

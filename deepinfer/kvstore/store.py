@@ -21,8 +21,8 @@ from __future__ import annotations
 import itertools
 import json
 import os
-import socket
 import queue
+import socket
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -84,6 +84,7 @@ class LoadHandle:
 
 class KVStore:
     READ_THREADS = 4  # file reads in flight per load
+
     def __init__(
         self,
         namespace: StoreNamespace,
@@ -163,7 +164,11 @@ class KVStore:
         with self._lock:
             in_host = [self.host.get(key, now) is not None for key in keys]
         # Files are read ahead on the reader threads (reads release the GIL), consumed in order.
-        reads = {i: self._readers.submit(self._read_files, key, now, cls) for i, key in enumerate(keys) if not in_host[i]}
+        reads = {
+            i: self._readers.submit(self._read_files, key, now, cls)
+            for i, key in enumerate(keys)
+            if not in_host[i]
+        }
         slots: list[int] = []
         promoted = []
         try:

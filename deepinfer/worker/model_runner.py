@@ -180,6 +180,11 @@ class ModelRunner:
                 )
         if self.proposer is not None and out.sampled:
             out.drafts, out.num_proposed = self.proposer.propose(inputs, hidden, out.sampled)
+            if self.structured is not None:
+                out.drafts = {
+                    rid: self.structured.valid_drafts(rid, out.sampled[rid], drafts)
+                    for rid, drafts in out.drafts.items()
+                }
         if scheduled.kv_saves and self.kv_connector is not None:
             self.kv_connector.save_blocks(scheduled.kv_saves)  # blocks complete after this forward
         return out

@@ -32,7 +32,9 @@ def payload_of(i: int) -> bytes:
 
 
 def tier(root: Path, ns: StoreNamespace = NS) -> FileTier:
-    return FileTier("disk", root, ns.digest(), ns.describe(), 1 << 34, False, POLICY, TierCounters(), time.time)
+    return FileTier(
+        "disk", root, ns.digest(), ns.describe(), 1 << 34, False, POLICY, TierCounters(), time.time
+    )
 
 
 def _writer(root: str, seed: int) -> None:

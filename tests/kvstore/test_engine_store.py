@@ -76,7 +76,9 @@ def test_another_model_or_layout_never_hits(tiny_model: Path, tmp_path: Path) ->
     llm = make(tiny_model, path=str(tmp_path))
     llm.generate([p], GREEDY)
     llm.engine.kv_connector.store.flush(10)
-    other = LLM(model=str(tiny_model), num_kv_blocks=40, dtype="bfloat16", kv_store=KVStoreConfig(path=str(tmp_path)))
+    other = LLM(
+        model=str(tiny_model), num_kv_blocks=40, dtype="bfloat16", kv_store=KVStoreConfig(path=str(tmp_path))
+    )
     out = other.generate([p], GREEDY)[0]
     assert out.num_cached_tokens == 0  # another dtype is another namespace: a miss, not a wrong hit
 
@@ -84,7 +86,9 @@ def test_another_model_or_layout_never_hits(tiny_model: Path, tmp_path: Path) ->
 def test_traffic_class_is_checked(tiny_model: Path, tmp_path: Path) -> None:
     llm = make(tiny_model, ttls="agent=3d,chat=7d,batch=1h")
     llm.generate([prompt(1)], SamplingParams(max_tokens=2, traffic_class="batch"))
-    with pytest.raises(ValueError, match="traffic_class 'nightly' is unknown; configured classes: agent, chat, batch"):
+    with pytest.raises(
+        ValueError, match="traffic_class 'nightly' is unknown; configured classes: agent, chat, batch"
+    ):
         llm.generate([prompt(1)], SamplingParams(max_tokens=2, traffic_class="nightly"))
 
 
@@ -118,7 +122,12 @@ SHARER = textwrap.dedent(
 
 @pytest.mark.slow
 def test_two_engine_processes_share_one_store(tiny_model: Path, tmp_path: Path) -> None:
-    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "DEEPINFER_ACCELERATOR": "cpu", "DEEPINFER_NUM_THREADS": "1"}
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(REPO_ROOT),
+        "DEEPINFER_ACCELERATOR": "cpu",
+        "DEEPINFER_NUM_THREADS": "1",
+    }
     procs = [
         subprocess.Popen(
             [sys.executable, "-c", SHARER, str(tiny_model), str(tmp_path), str(me), str(other)],

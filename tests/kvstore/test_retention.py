@@ -123,7 +123,13 @@ def test_capacity_eviction_keeps_each_tier_under_its_cap(tmp_path: Path) -> None
     slot_bytes, host_slots = 1024, 16
     cap = 40 * (slot_bytes + HEADER_SIZE)
     store = KVStore(
-        NS, slot_bytes, host_slots, policy, disk=DirSpec(tmp_path / "d", cap), shared=DirSpec(tmp_path / "s", cap), clock=clock
+        NS,
+        slot_bytes,
+        host_slots,
+        policy,
+        disk=DirSpec(tmp_path / "d", cap),
+        shared=DirSpec(tmp_path / "s", cap),
+        clock=clock,
     )
     ks = keys(200)
     for chunk in range(0, 200, 10):

@@ -66,9 +66,13 @@ def test_replay_after_a_store_hit(swa_model: Path, tmp_path: Path, mode: str) ->
     for length in (200, 360):
         ids = prompt(length)
         cold, _ = run(swa_model, ids, None)
-        store = KVStoreConfig(host_cache_gib=0.01, path=str(tmp_path / str(length)), swa_replay=mode, swa_replay_tokens=8)
+        store = KVStoreConfig(
+            host_cache_gib=0.01, path=str(tmp_path / str(length)), swa_replay=mode, swa_replay_tokens=8
+        )
         run(swa_model, ids, store)  # writes the prefix
-        hit, computed = run(swa_model, ids, store)  # a new engine: the prefix comes from disk, SWA state does not
+        hit, computed = run(
+            swa_model, ids, store
+        )  # a new engine: the prefix comes from disk, SWA state does not
         cached_tokens = (length - 1) // 16 * 16
         replays[length] = computed - (length - cached_tokens)
         assert hit.num_cached_tokens == cached_tokens - replays[length]
