@@ -355,12 +355,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     add_run_arguments(sub.add_parser("run", help="complete prompts with a model"))
     add_bench_arguments(sub.add_parser("bench", help="benchmarks: offline, peer, pareto"))
+    from deepinfer.kvstore import cli as kvstore_cli
     from deepinfer.server.launch import add_serve_arguments  # argparse only: no server imports yet
 
-    add_serve_arguments(
-        sub.add_parser("serve", help="serve a model over OpenAI- and Anthropic-compatible HTTP")
+    serve_parser = sub.add_parser("serve", help="serve a model over OpenAI- and Anthropic-compatible HTTP")
+    add_serve_arguments(serve_parser)
+    kvstore_cli.add_serve_args(serve_parser)
+    kvstore_cli.add_kvstore_args(
+        sub.add_parser("kvstore", help="inspect, verify and clean a KV store directory")
     )
     args = parser.parse_args(argv)
+    if args.command == "kvstore":
+        return kvstore_cli.run_kvstore(args)
     reexec_with_malloc_tuning()
     if args.command == "run":
         return run(args)

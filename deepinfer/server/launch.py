@@ -148,6 +148,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
 
 def engine_config(args: argparse.Namespace, model: Path) -> EngineConfig:
     """The core's EngineConfig from ``deepinfer serve`` arguments (text is made by the front)."""
+    from deepinfer.kvstore.cli import config_from_args as kvstore_config_from_args
+
     options = {
         "max_model_len": args.max_model_len,
         "max_num_seqs": args.max_num_seqs,
@@ -160,6 +162,7 @@ def engine_config(args: argparse.Namespace, model: Path) -> EngineConfig:
         "num_draft_tokens": args.num_draft_tokens,
         "step_time_budget_ms": args.step_time_budget_ms,
         "async_scheduling": args.async_scheduling or None,
+        "kv_store": kvstore_config_from_args(args),
     }
     return EngineConfig(
         model=str(model), detokenize=False, **{k: v for k, v in options.items() if v is not None}

@@ -22,6 +22,7 @@ from deepinfer.model.deepseek_v3 import DeepseekV3ForCausalLM
 from deepinfer.worker.sampler import SamplingRow, sample_rows, top_logprobs
 
 if TYPE_CHECKING:
+    from deepinfer.kvstore.connector import StoreConnector
     from deepinfer.structured.manager import StructuredOutputs
     from deepinfer.worker.graphs import DecodeGraphs
     from deepinfer.worker.spec_decode import MTPProposer
@@ -87,6 +88,7 @@ class ModelRunner:
         self.proposer: MTPProposer | None = None
         self.structured: StructuredOutputs | None = None
         self.graphs: DecodeGraphs | None = None
+        self.kv_connector: StoreConnector | None = None  # set by the engine when the KV store is on
 
     # ------------------------------------------------------------------ inputs
     def prepare(self, requests: Sequence[ScheduledRequest]) -> StepInputs:
@@ -140,6 +142,11 @@ class ModelRunner:
                 context_slots=context_slots,
             )
         meta = AttentionMetadata(torch.from_numpy(slots).to(dev), decode_meta, prefill_meta)
+        floors = np.array([r.write_floor for r in order], dtype=np.int64)
+        if floors.any():  # SWA replay (kvstore): full-attention layers keep the cached rows below the floor
+            meta.full_slot_mapping = torch.from_numpy(
+                np.where(positions < floors[req_of_token], -1, slots)
+            ).to(dev)
         return StepInputs(
             torch.from_numpy(input_ids).to(dev),
             torch.from_numpy(positions).to(dev),
@@ -178,6 +185,8 @@ class ModelRunner:
                     rid: self.structured.valid_drafts(rid, out.sampled[rid], drafts)
                     for rid, drafts in out.drafts.items()
                 }
+        if scheduled.kv_saves and self.kv_connector is not None:
+            self.kv_connector.save_blocks(scheduled.kv_saves)  # blocks complete after this forward
         return out
 
     def _sampling_plan(self, inputs: StepInputs) -> SamplingPlan:
