@@ -302,6 +302,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     add_serve_arguments(
         sub.add_parser("serve", help="serve a model over OpenAI- and Anthropic-compatible HTTP")
     )
+    from deepinfer.sim.cli import add_plan_arguments  # argparse only: the planner imports nothing yet
+
+    add_plan_arguments(sub.add_parser("plan", help="cluster simulator: capacity and cost planner, scenarios"))
     args = parser.parse_args(argv)
     reexec_with_malloc_tuning()
     if args.command == "run":
@@ -312,6 +315,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from deepinfer.server.launch import serve
 
         return serve(args)
+    if args.command == "plan":
+        from deepinfer.sim.cli import plan
+
+        return plan(args)
     parser.error(f"unknown command {args.command}")
     return 2
 

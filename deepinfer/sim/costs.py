@@ -191,8 +191,8 @@ class RooflineCost:
     def dense_seconds(self, work: Sequence[Work]) -> float:
         """Attention projections, dense MLPs, shared experts and the LM head on one rank, plus MLA's
         core attention: absorbed (latent MQA, memory-bound on the KV read) for single-token decodes,
-        expanded (per-head K and V, compute-bound) for prompt chunks, which also expand their cached
-        context."""
+        and, for a prompt chunk, the cheaper of that and the expanded form (per-head K and V, which
+        also expands the cached context)."""
         d, e = self.dims, self.efficiency
         tokens = sum(n for n, _ in work)
         if tokens == 0:
@@ -200,19 +200,18 @@ class RooflineCost:
         t = self._roof(2 * d.dense_params * tokens, d.dense_params * d.weight_bytes, True, e.gemm)
         decode = [(n, c) for n, c in work if n == 1]
         chunks = [(n, c) for n, c in work if n > 1]
+        absorbed_per_pair = 2 * d.layers * d.heads * (2 * d.kv_lora_rank + d.qk_rope)
         if decode:
             pairs = sum(attention_pairs(n, c) for n, c in decode)
-            flops = 2 * d.layers * d.heads * (2 * d.kv_lora_rank + d.qk_rope) * pairs
-            t += self._roof(flops, d.kv_bytes_per_token * sum(c + n for n, c in decode), False, e.attention)
-        if chunks:
-            pairs = sum(attention_pairs(n, c) for n, c in chunks)
-            flops = 2 * d.layers * d.heads * (2 * d.qk_nope + d.qk_rope + d.v_head) * pairs
-            expand = (
-                2 * d.layers * d.kv_lora_rank * d.heads * (d.qk_nope + d.v_head) * sum(c for _, c in chunks)
-            )
-            t += self._roof(
-                flops + expand, d.kv_bytes_per_token * sum(c for _, c in chunks), False, e.attention
-            )
+            kv = d.kv_bytes_per_token * sum(c + n for n, c in decode)
+            t += self._roof(absorbed_per_pair * pairs, kv, False, e.attention)
+        expanded_per_pair = 2 * d.layers * d.heads * (2 * d.qk_nope + d.qk_rope + d.v_head)
+        expand_per_token = 2 * d.layers * d.kv_lora_rank * d.heads * (d.qk_nope + d.v_head)
+        for n, c in chunks:  # each chunk in the cheaper form: a short chunk after a long context absorbs
+            pairs = attention_pairs(n, c)
+            kv = d.kv_bytes_per_token * (c + n)
+            expanded = self._roof(expanded_per_pair * pairs + expand_per_token * c, kv, False, e.attention)
+            t += min(expanded, self._roof(absorbed_per_pair * pairs, kv, False, e.attention))
         return t
 
     def moe_seconds(self, group_tokens: float, rank_tokens: float) -> float:

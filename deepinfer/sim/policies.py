@@ -163,7 +163,7 @@ def expert_imbalance(
     ``load`` (a logical expert's tokens split evenly over its replicas)."""
     import torch
 
-    layers, experts = load.shape
+    layers = load.shape[0]
     weight = torch.as_tensor(load, dtype=torch.float64)
     phy2log, _, logcnt = placer(weight, num_replicas, num_groups, num_nodes, num_gpus)
     per_replica = torch.gather(weight / logcnt.to(weight.dtype), 1, phy2log)  # [L, P]
