@@ -36,12 +36,15 @@ class ForwardCost(Protocol):
 
 @dataclass(frozen=True, slots=True)
 class CalibratedCost:
-    """The engine's measured cost model; one rank (a single aggregated engine)."""
+    """The engine's measured cost model; one rank (a single aggregated engine). ``scale`` corrects
+    for what the forward-pass calibration does not see (the serving front sharing the host); the
+    scheduler still gets the model itself, as in the engine, and its feedback learns the rest."""
 
     model: StepCostModel
+    scale: float = 1.0
 
     def step_seconds(self, ranks: Sequence[Sequence[Work]]) -> float:
-        return max(self.model.predict(work) for work in ranks)
+        return self.scale * max(self.model.predict(work) for work in ranks)
 
     def scheduler_model(self) -> StepCostModel:
         return self.model

@@ -32,6 +32,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from deepinfer.engine.cost_model import StepCostModel, Work
 from deepinfer.platform.chips import SkuFacts, sku_facts
+from deepinfer.sim.cachesim import CacheStage, run_cache_stage
 from deepinfer.sim.cluster import ClusterConfig, EngineKnobs, PoolConfig, Simulation
 from deepinfer.sim.costs import DEEPSEEK_V3, ForwardCost, RooflineCost
 from deepinfer.sim.policies import (
@@ -121,17 +122,6 @@ class Deployment:
 
 
 @dataclass(slots=True)
-class CacheStage:
-    hit_rate: dict[str, float]
-    hourly_hit_rate: list[float]
-    occupancy_tb: list[tuple[float, dict[str, float]]]
-    input_tokens_per_day: float
-    cached_tokens_per_day: float
-    mean_prompt_tokens: float
-    mean_output_tokens: float
-
-
-@dataclass(slots=True)
 class Evaluation:
     deployment: Deployment
     usd_per_day: float
@@ -203,42 +193,7 @@ class Planner:
         o = self.options
         share = min(1.0, o.cache_requests / (self.mean_rate * o.cache_horizon_s))
         store = self._tiers(o.host_gb_per_chip * 1e9 * prefill_chips * share, store_tb * 1e12 * share)
-        hours = math.ceil(o.cache_horizon_s / 3600)
-        prompt = [0] * hours
-        hit = [0] * hours
-        by_tier: dict[str, int] = {t.name: 0 for t in store.tiers}
-        occupancy = []
-        outputs = []
-        next_sample = 0.0
-        for arrival in arrivals(self._ttl_spec(ttl_scale), o.cache_horizon_s, o.seed, share):
-            found = store.lookup(arrival, 0, arrival.time)
-            h = int(arrival.time // 3600)
-            prompt[h] += arrival.prompt_tokens
-            hit[h] += sum(found.tokens.values())
-            for name, n in found.tokens.items():
-                by_tier[name] += n
-            store.write(arrival, arrival.time)
-            outputs.append(arrival.output_tokens)
-            if arrival.time >= next_sample:
-                occupancy.append(
-                    (arrival.time, {k: v / share / 1e12 for k, v in store.occupancy(arrival.time).items()})
-                )
-                next_sample += o.cache_horizon_s / 48
-        total = sum(prompt)
-        if not total:
-            raise ValueError("the workload produced no requests in the cache horizon; raise the rates")
-        # Skip the first hour (an empty cache) for the day's averages.
-        steady = slice(1, None) if hours > 1 else slice(None)
-        day = 86400 / (o.cache_horizon_s - (3600 if hours > 1 else 0)) / share
-        return CacheStage(
-            hit_rate={k: v / total for k, v in by_tier.items()},
-            hourly_hit_rate=[hit[i] / prompt[i] if prompt[i] else float("nan") for i in range(hours)],
-            occupancy_tb=occupancy,
-            input_tokens_per_day=sum(prompt[steady]) * day,
-            cached_tokens_per_day=sum(hit[steady]) * day,
-            mean_prompt_tokens=total / len(outputs),
-            mean_output_tokens=statistics.fmean(outputs),
-        )
+        return run_cache_stage(self._ttl_spec(ttl_scale), store, o.cache_horizon_s, share, o.seed)
 
     # ------------------------------------------------------------------ stage 2: sizing
     def _imbalance(self, ep: int) -> float:
