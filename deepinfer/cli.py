@@ -364,6 +364,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     kvstore_cli.add_kvstore_args(
         sub.add_parser("kvstore", help="inspect, verify and clean a KV store directory")
     )
+    from deepinfer.sim.cli import add_plan_arguments  # argparse only: the planner imports nothing yet
+
+    add_plan_arguments(sub.add_parser("plan", help="cluster simulator: capacity and cost planner, scenarios"))
     args = parser.parse_args(argv)
     if args.command == "kvstore":
         return kvstore_cli.run_kvstore(args)
@@ -381,6 +384,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             return serve(args)
         except (ValueError, ValidationError, OSError) as exc:
             return user_error("deepinfer serve", exc)
+    if args.command == "plan":
+        from deepinfer.sim.cli import plan
+
+        return plan(args)
     parser.error(f"unknown command {args.command}")
     return 2
 
