@@ -68,6 +68,15 @@ ENV_VARS: dict[str, EnvVar] = {
             "Where deepinfer keeps files it can recompute (calibrated step cost models).",
         ),
         EnvVar(
+            "DEEPINFER_CPU_BACKEND",
+            "auto",
+            str.strip,
+            "Op backend of the cpu platform: fast (deepinfer.backends.cpu, C++ kernels built with the "
+            "host's C++ compiler; an error if they cannot be built) | reference (the plain-PyTorch "
+            "oracle) | auto (fast when a C++ compiler and ninja are present, else reference with a "
+            "warning that says what is missing).",
+        ),
+        EnvVar(
             "DEEPINFER_CONFORMANCE_DTYPES",
             "float32,bfloat16",
             str.strip,
@@ -119,6 +128,14 @@ ENV_VARS: dict[str, EnvVar] = {
             str.strip,
             "`deepinfer serve`: the API key clients must send (Authorization: Bearer, or x-api-key) when "
             "--api-key is not given; unset means no key is needed.",
+        ),
+        EnvVar(
+            "DEEPINFER_SWA_REPLAY",
+            "exact",
+            str.strip,
+            "KV store, models with sliding-window layers: how a prefix hit that lacks the window's SWA "
+            "state is completed. exact: recompute the receptive field (same result as a cold run); "
+            "bounded: recompute only the last swa_replay_tokens (DeepSeek's approximation).",
         ),
         EnvVar(
             "DEEPINFER_NUM_THREADS",

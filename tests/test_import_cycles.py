@@ -4,9 +4,9 @@ recipe.parser, worker.model_runner <-> worker.spec_decode) cannot come back.
 The graph is read from the sources with ``ast``: every ``import`` and ``from ... import`` a module
 makes, at module level (``if TYPE_CHECKING:`` blocks included: a type-only cycle is still two modules
 that cannot be understood apart) and inside functions (a lazy import hides a cycle, it does not remove
-it). Two kinds of edge are left out: a submodule importing its own package (the op-registration
-pattern: a backend package imports its submodules, which fill the package's ``OPS`` table), and the
-one declared below.
+it). Two kinds of edge are left out: an import of a module that holds a backend's op table (``OPS =
+OpTable(...)``; the op-registration pattern: that module imports the backend's op modules, which
+register into its table), and the one declared below.
 """
 
 from __future__ import annotations
@@ -48,6 +48,7 @@ def import_graph(modules: dict[str, Path]) -> dict[str, set[str]]:
             name = name.rpartition(".")[0]
         return name or None
 
+    tables = {name for name, path in modules.items() if _holds_op_table(path)}
     graph = {}
     for name, path in modules.items():
         package = name if path.name == "__init__.py" else name.rpartition(".")[0]
@@ -64,11 +65,22 @@ def import_graph(modules: dict[str, Path]) -> dict[str, set[str]]:
                     full = f"{base}.{alias.name}"
                     targets.add(full if full in modules else resolve(base))
         graph[name] = {
-            t
-            for t in targets
-            if t is not None and t != name and not name.startswith(t + ".") and (name, t) not in ALLOWED
+            t for t in targets if t is not None and t != name and t not in tables and (name, t) not in ALLOWED
         }
     return graph
+
+
+def _holds_op_table(path: Path) -> bool:
+    """Whether the module assigns ``OPS = OpTable(...)`` at module level."""
+    for node in ast.parse(path.read_text()).body:
+        if (
+            isinstance(node, ast.Assign)
+            and any(isinstance(t, ast.Name) and t.id == "OPS" for t in node.targets)
+            and isinstance(node.value, ast.Call)
+            and getattr(node.value.func, "id", None) == "OpTable"
+        ):
+            return True
+    return False
 
 
 def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -126,3 +138,5 @@ def test_the_cycle_finder_finds_cycles() -> None:
     graph = import_graph(modules)
     assert "deepinfer.worker.inputs" in graph["deepinfer.worker.spec_decode"]
     assert "deepinfer.malloc_tuning" in graph["deepinfer.bench.peer"]
+    assert _holds_op_table(modules["deepinfer.ops_cuda"])
+    assert not _holds_op_table(modules["deepinfer.ops_cuda.sampling"])

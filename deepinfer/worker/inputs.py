@@ -90,6 +90,11 @@ class InputBuilder:
                 context_slots=context_slots,
             )
         meta = AttentionMetadata(torch.from_numpy(slots).to(dev), decode_meta, prefill_meta)
+        floors = np.array([r.write_floor for r in order], dtype=np.int64)
+        if floors.any():  # SWA replay (kvstore): full-attention layers keep the cached rows below the floor
+            meta.full_slot_mapping = torch.from_numpy(
+                np.where(positions < floors[req_of_token], -1, slots)
+            ).to(dev)
         return StepInputs(
             torch.from_numpy(input_ids).to(dev),
             torch.from_numpy(positions).to(dev),

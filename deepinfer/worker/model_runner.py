@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
@@ -20,6 +21,9 @@ from deepinfer.worker.graphs import DecodeGraphs
 from deepinfer.worker.inputs import InputBuilder, StepInputs
 from deepinfer.worker.sampler import SamplingRow, sample_rows, top_logprobs
 from deepinfer.worker.spec_decode import MTPProposer
+
+if TYPE_CHECKING:
+    from deepinfer.kvstore.connector import StoreConnector
 
 
 @dataclass(slots=True)
@@ -60,10 +64,12 @@ class ModelRunner:
         structured: StructuredOutputs | None = None,
         proposer: MTPProposer | None = None,
         graphs: DecodeGraphs | None = None,
+        kv_connector: StoreConnector | None = None,
     ) -> None:
         """``inputs`` lays out each step's tensors; ``structured`` masks constrained requests' rows;
         ``proposer`` drafts tokens after each step (speculative decoding; it shares ``inputs``, whose
-        ``decode_query_len`` must then cover its drafts); ``graphs`` replays captured decode steps."""
+        ``decode_query_len`` must then cover its drafts); ``graphs`` replays captured decode steps;
+        ``kv_connector`` saves completed blocks to the KV store after each forward."""
         if proposer is not None and inputs.decode_query_len < 1 + proposer.num_drafts:
             raise ValueError(
                 f"decode_query_len={inputs.decode_query_len} cannot verify {proposer.num_drafts} drafts"
@@ -78,6 +84,7 @@ class ModelRunner:
         self.structured = structured
         self.proposer = proposer
         self.graphs = graphs
+        self.kv_connector = kv_connector
 
     def prepare(self, requests: Sequence[ScheduledRequest]) -> StepInputs:
         """The device tensors of a step (see ``InputBuilder.prepare``)."""
@@ -113,6 +120,8 @@ class ModelRunner:
                     rid: self.structured.valid_drafts(rid, out.sampled[rid], drafts)
                     for rid, drafts in out.drafts.items()
                 }
+        if scheduled.kv_saves and self.kv_connector is not None:
+            self.kv_connector.save_blocks(scheduled.kv_saves)  # blocks complete after this forward
         return out
 
     def _sampling_plan(self, inputs: StepInputs) -> SamplingPlan:

@@ -95,8 +95,9 @@ def test_runtime_fallbacks_are_warned_once_and_described(caplog: pytest.LogCaptu
 
 
 def test_dispatch_goes_to_the_active_backend() -> None:
-    activate(resolve_platform("cpu"))
-    assert active_ops().backend == "deepinfer.backends.reference"
+    platform = resolve_platform("cpu")
+    activate(platform)
+    assert active_ops().backend == platform.op_backend == "deepinfer.backends.cpu.backend"
     x = torch.randn(2, 6)
     assert torch.equal(ops.silu_and_mul(x), torch.nn.functional.silu(x[:, :3]) * x[:, 3:])
 
