@@ -235,6 +235,17 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
             p.add_argument("--max-seconds", type=float, default=300.0, help="stop sending after this long")
             p.add_argument("--url", help="an already running server (default: start one on loopback)")
             p.add_argument("--served-model-name", help="with --url: the model name the server expects")
+            p.add_argument(
+                "--concurrency",
+                type=int,
+                help="closed loop of this many clients instead of Poisson arrivals (64: saturation)",
+            )
+            p.add_argument(
+                "--compare-offline",
+                action="store_true",
+                help="with --concurrency: alternate with bench offline on the same prompts; report the ratio",
+            )
+            p.add_argument("--reps", type=int, default=2, help="with --compare-offline: runs of each")
 
 
 def bench(args: argparse.Namespace) -> int:
@@ -258,11 +269,7 @@ def bench(args: argparse.Namespace) -> int:
     }
     if args.bench == "serve":
         result = _bench_serve(args, model, workload, options)
-        summary = (
-            f"{result['completed']}/{result['requests']} requests at {args.request_rate}/s: "
-            f"{result['output_tokens_per_s']:.0f} tok/s, TTFT mean {result['ttft_s']['mean'] * 1000:.0f} ms "
-            f"p99 {result['ttft_s']['p99'] * 1000:.0f} ms, TPOT mean {result['tpot_s']['mean'] * 1000:.1f} ms"
-        )
+        summary = _serve_summary(args, result)
     elif args.bench == "peer":
         from deepinfer.bench.peer import compare
 
@@ -306,12 +313,30 @@ def bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve_summary(args: argparse.Namespace, result: dict) -> str:
+    if args.compare_offline:
+        return (
+            f"served {result['served_median']:.0f} tok/s vs offline {result['offline_median']:.0f} tok/s "
+            f"(medians of {args.reps}, alternating): {result['served_over_offline']:.1%} at concurrency "
+            f"{args.concurrency}"
+        )
+    load = f"concurrency {args.concurrency}" if args.concurrency else f"{args.request_rate}/s"
+    return (
+        f"{result['completed']}/{result['requests']} requests at {load}: "
+        f"{result['output_tokens_per_s']:.0f} tok/s, TTFT mean {result['ttft_s']['mean'] * 1000:.0f} ms "
+        f"p99 {result['ttft_s']['p99'] * 1000:.0f} ms, TPOT mean {result['tpot_s']['mean'] * 1000:.1f} ms"
+    )
+
+
 def _bench_serve(args: argparse.Namespace, model: str, workload, options: dict) -> dict:
     import asyncio
     import contextlib
 
-    from deepinfer.bench.serve import launch, run_load
+    from deepinfer.bench.serve import compare_offline, launch, run_concurrent, run_load
     from deepinfer.tokenizer import Tokenizer
+
+    if args.compare_offline and not args.concurrency:
+        raise SystemExit("deepinfer bench serve: error: --compare-offline needs --concurrency (e.g. 64)")
 
     prompts = workload.prompts(Tokenizer(model))
     flags = {
@@ -327,9 +352,20 @@ def _bench_serve(args: argparse.Namespace, model: str, workload, options: dict) 
         server_args.append("--async-scheduling")
     name = args.served_model_name or Path(model).name
     with launch(model, server_args) if args.url is None else contextlib.nullcontext(args.url) as url:
-        result = asyncio.run(
-            run_load(url, name, prompts, workload.output_len, args.request_rate, args.max_seconds, args.seed)
-        )
+        if args.compare_offline:
+            from deepinfer.llm import LLM
+
+            result = compare_offline(
+                url, name, LLM(model, **options), workload, prompts, args.concurrency, args.reps
+            )
+        elif args.concurrency:
+            result = asyncio.run(run_concurrent(url, name, prompts, workload.output_len, args.concurrency))
+        else:
+            result = asyncio.run(
+                run_load(
+                    url, name, prompts, workload.output_len, args.request_rate, args.max_seconds, args.seed
+                )
+            )
     result.update(workload=workload.describe(), server_args=server_args, model=model)
     return result
 
