@@ -31,7 +31,10 @@ def main() -> None:
     )
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2))
-    print(f"fitted step-time factor {result['scale']:.3f} (on the calibration trace)")
+    print(
+        f"fitted on the calibration trace: step-time factor {result['scale']:.3f}, "
+        f"admission delay {result['admission_delay_s'] * 1e3:.1f} ms"
+    )
     for name in ("calibration", "validation"):
         r = result[name]
         print(f"{name}: {'metric':24s} {'measured':>10s} {'simulated':>10s} {'error':>7s}")

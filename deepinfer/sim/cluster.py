@@ -73,6 +73,7 @@ class ClusterConfig:
     store: TieredStore | None = None
     kv_transfer_bytes_per_s: float = 50e9
     kv_bytes_per_token: float = 70272.0
+    admission_delay_s: float = 0.0  # arrival -> scheduler: the API front (HTTP, validation, hand-off)
     prefill_router: Router = field(default_factory=PredictedTimeRouter)
     decode_router: Router = field(default_factory=ActiveLoadRouter)
 
@@ -206,6 +207,8 @@ class Simulation:
     def _admit(self, arrival: Arrival):
         trace = RequestTrace(arrival)
         self.traces[arrival.request_id] = trace
+        if self.config.admission_delay_s > 0:
+            yield self.env.timeout(self.config.admission_delay_s)
         prompt = arrival.token_ids()
         outputs = arrival.output_token_ids()
         self._requests[arrival.request_id] = (arrival, outputs)

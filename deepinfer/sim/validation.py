@@ -6,10 +6,11 @@ tokenizer) that share prefixes — each prompt is one of a few shared file heade
 window of code — with a fixed output length (EOS ignored). The real side streams each request over
 HTTP (``deepinfer.bench.serve``) from a server running one aggregated worker with a step time
 budget. The simulated side runs the engine's scheduler with the server's settings, with the step
-cost model the server calibrated at start-up, corrected by one factor fitted on a *different* trace
-(the calibration run: other prompts and arrival times, same rate): the real step on a loaded 2-core
-host also pays for the HTTP front, detokenization and the load generator sharing the cores, which
-the start-up calibration (forward passes alone) does not see.
+cost model the server calibrated at start-up, corrected by two figures fitted on a *different* trace
+(the calibration run: other prompts and arrival times, same rate): a factor on step time (the real
+step on a 2-core host also pays for the HTTP front, detokenization and the load generator sharing
+the cores, which the start-up calibration of forward passes alone does not see) and the front's
+admission delay.
 """
 
 from __future__ import annotations
@@ -88,7 +89,7 @@ def arrival_times(spec: TraceSpec) -> list[float]:
 
 def simulate_trace(
     prompts: list[list[int]], spec: TraceSpec, settings: ServerSettings, model: StepCostModel, num_blocks: int,
-    block_size: int, scale: float = 1.0,
+    block_size: int, scale: float = 1.0, admission_delay_s: float = 0.0,
 ) -> dict:  # fmt: skip
     """The simulator's figures for the trace, in the load generator's terms."""
     arrivals = [
@@ -100,7 +101,8 @@ def simulate_trace(
         max_num_batched_tokens=settings.max_num_batched_tokens,
         step_time_budget_s=settings.step_time_budget_ms / 1e3, max_model_len=1 << 20,
     )  # fmt: skip
-    sim = Simulation(ClusterConfig([PoolConfig("both", 1, 1, CalibratedCost(model, scale), knobs)]))
+    pool = PoolConfig("both", 1, 1, CalibratedCost(model, scale), knobs)
+    sim = Simulation(ClusterConfig([pool], admission_delay_s=admission_delay_s))
     sim.run(arrivals, until=1e6)
     result = summarise(sim, 0.0, arrivals[-1].time + 1e-9, 1)
     finished = [t.finished_s for t in sim.traces.values()]
@@ -116,31 +118,38 @@ def errors(real: dict, simulated: dict) -> dict[str, float]:
     return out
 
 
-def fit_scale(
+def fit_overheads(
     prompts: list[list[int]], spec: TraceSpec, settings: ServerSettings, model: StepCostModel, num_blocks: int,
     block_size: int, real: dict,
-) -> float:  # fmt: skip
-    """The step-time factor that makes the simulated calibration run match its measured TPOT p50 and
-    TTFT p50 best (golden-section search on the larger of the two relative errors)."""
+) -> tuple[float, float]:  # fmt: skip
+    """What the start-up calibration does not see, fitted on the calibration run: a factor on step
+    time (golden-section search on the TPOT p50 error), then the API front's admission delay (the
+    TTFT p50 left over, which a constant delay shifts one for one)."""
 
-    def loss(scale: float) -> float:
-        e = errors(real, simulate_trace(prompts, spec, settings, model, num_blocks, block_size, scale))
-        return max(abs(e["tpot_p50"]), abs(e["ttft_p50"]))
+    def tpot_error(scale: float) -> float:
+        return abs(
+            errors(real, simulate_trace(prompts, spec, settings, model, num_blocks, block_size, scale))[
+                "tpot_p50"
+            ]
+        )
 
     lo, hi = 0.5, 3.0
     golden = 0.618
     a, b = hi - golden * (hi - lo), lo + golden * (hi - lo)
-    fa, fb = loss(a), loss(b)
-    for _ in range(12):
+    fa, fb = tpot_error(a), tpot_error(b)
+    for _ in range(10):
         if fa < fb:
             hi, b, fb = b, a, fa
             a = hi - golden * (hi - lo)
-            fa = loss(a)
+            fa = tpot_error(a)
         else:
             lo, a, fa = a, b, fb
             b = lo + golden * (hi - lo)
-            fb = loss(b)
-    return (a + b) / 2
+            fb = tpot_error(b)
+    scale = (a + b) / 2
+    simulated = simulate_trace(prompts, spec, settings, model, num_blocks, block_size, scale)
+    delay = max(0.0, real["ttft_s"]["p50"] - simulated["ttft_s"]["p50"])
+    return scale, delay
 
 
 def run_validation(
@@ -186,12 +195,12 @@ def run_validation(
     model = StepCostModel.load(path)
     shutil.rmtree(cache_dir)
     spec, prompts, real = runs["calibration"]
-    scale = fit_scale(prompts, spec, settings, model, num_blocks, BLOCK_SIZE, real)
+    scale, delay = fit_overheads(prompts, spec, settings, model, num_blocks, BLOCK_SIZE, real)
     out = {"settings": settings.args(), "server_env": {"DEEPINFER_NUM_THREADS": "1"}, "cost_model": asdict(model),
-           "scale": scale, "num_blocks": num_blocks, "load_average_before": load_before,
+           "scale": scale, "admission_delay_s": delay, "num_blocks": num_blocks, "load_average_before": load_before,
            "load_average_after": os.getloadavg()}  # fmt: skip
     for name, (spec, prompts, real) in runs.items():
-        simulated = simulate_trace(prompts, spec, settings, model, num_blocks, BLOCK_SIZE, scale)
+        simulated = simulate_trace(prompts, spec, settings, model, num_blocks, BLOCK_SIZE, scale, delay)
         out[name] = {
             "trace": asdict(spec),
             "measured": _figures(real),
