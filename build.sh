@@ -98,6 +98,14 @@ build_native() {  # $1 name, $2 source dir, $3 file glob, $4 toolchain check com
 }
 
 say "ops_cuda: Triton kernels, compiled by Triton on first use; no native sources to build"
+# The fast CPU backend's kernels (torch.utils.cpp_extension, cached in DEEPINFER_CACHE_DIR/cpu_ops by
+# source, torch version and CPU flags). Without a compiler the cpu platform runs the reference backend
+# and says so at start-up (DEEPINFER_CPU_BACKEND=fast makes that an error).
+build_native cpu_ops backends/cpu/csrc '*.cpp' \
+  'command -v "${CXX:-c++}"' \
+  "needs a C++ compiler (install g++ or set CXX); the cpu platform will warn and run the reference backend" \
+  '"$VPY" -m deepinfer.backends.cpu.native'
+
 build_native ops_ascend ops_ascend/csrc '*.cpp' \
   "has_cann" \
   "needs CANN (ASCEND_HOME_PATH from set_env.sh)" \
