@@ -6,6 +6,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from deepinfer.kvstore.config import KVStoreConfig
+
 DType = Literal["auto", "float32", "bfloat16", "float16"]
 
 
@@ -66,6 +68,10 @@ class EngineConfig(BaseModel):
         True,
         description="build output text in the engine; False leaves it to the caller (the server's API front "
         "detokenizes; stop strings are still matched in the engine)",
+    )
+    # KV store (deepinfer/kvstore): tiers beyond the device cache; None: off.
+    kv_store: KVStoreConfig | None = Field(
+        None, description="host-memory / disk / shared KV store with retention by traffic class"
     )
 
     # ---- parallelism: attention data parallelism + MoE expert parallelism (deepinfer.parallel) ----

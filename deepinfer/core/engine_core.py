@@ -216,6 +216,7 @@ class EngineCore:
                 spec.emitted_tokens,
                 spec.request_steps,
             ),
+            kv_store=e.kv_store_stats(),
         )
 
 
