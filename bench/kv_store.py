@@ -28,8 +28,8 @@ from deepinfer import LLM, SamplingParams
 from deepinfer.bench.offline import run_offline
 from deepinfer.bench.report import environment
 from deepinfer.bench.workload import Workload, heldout_stream
-from deepinfer.cli import reexec_with_malloc_tuning
 from deepinfer.kvstore.config import KVStoreConfig
+from deepinfer.malloc_tuning import reexec_with_malloc_tuning
 
 ONE = SamplingParams(temperature=0.0, max_tokens=1)
 

@@ -40,6 +40,7 @@ from deepinfer.text_input import require_valid_text
 from deepinfer.tokenizer import Tokenizer
 from deepinfer.worker import calibration
 from deepinfer.worker.graphs import DecodeGraphs
+from deepinfer.worker.inputs import InputBuilder
 from deepinfer.worker.model_runner import ModelRunner, RunnerOutput
 from deepinfer.worker.spec_decode import ConfidenceHead, MTPProposer
 
@@ -97,16 +98,15 @@ class LLMEngine:
                 for tensor in layer:
                     tensor.zero_()  # padding rows read the reserved block: keep it finite
         self.kv_cache = KVCacheManager(num_blocks, self.cache_spec.block_size, config.enable_prefix_caching)
-        self.runner = ModelRunner(
-            self.model,
-            self.kv_caches,
-            self.cache_spec.block_size,
-            self.device,
-            self.eos_token_ids,
-            self.platform.synchronize,
+        self.structured = StructuredOutputs(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
+        inputs = InputBuilder(self.cache_spec.block_size, self.device, 1 + self.num_draft_tokens)
+        proposer = (
+            MTPProposer(self.model, self.kv_caches, inputs, self.num_draft_tokens, confidence)
+            if self.num_draft_tokens
+            else None
         )
-        if config.graph_capture:
-            self.runner.graphs = DecodeGraphs(
+        graphs = (
+            DecodeGraphs(
                 self.model,
                 self.kv_caches,
                 self.platform.graph,
@@ -117,14 +117,21 @@ class LLMEngine:
                 self.device,
                 active_ops().graph_session,
             )
+            if config.graph_capture
+            else None
+        )
         self.kv_connector = self._kv_store(folder, tokenizer_dir) if config.kv_store is not None else None
-        self.structured = StructuredOutputs(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
-        self.runner.structured = self.structured
-        if self.num_draft_tokens:
-            self.runner.decode_query_len = 1 + self.num_draft_tokens
-            self.runner.proposer = MTPProposer(
-                self.model, self.kv_caches, self.runner.prepare, self.num_draft_tokens, confidence
-            )
+        self.runner = ModelRunner(
+            self.model,
+            self.kv_caches,
+            inputs,
+            self.eos_token_ids,
+            self.platform.synchronize,
+            structured=self.structured,
+            proposer=proposer,
+            graphs=graphs,
+            kv_connector=self.kv_connector,
+        )
         self.spec_stats = SpecDecodeStats()
         self.cost_model = self._cost_model() if config.step_time_budget_ms else None
         budget = config.max_num_batched_tokens
@@ -170,7 +177,7 @@ class LLMEngine:
         return frozenset(ids)
 
     def _kv_store(self, folder: Path, tokenizer_dir: Path):
-        """The KV store connector (deepinfer/kvstore), attached to the runner."""
+        """The KV store connector (deepinfer/kvstore), passed to the runner."""
         from deepinfer.kvstore.connector import StoreConnector
 
         if not self.config.enable_prefix_caching:
@@ -189,7 +196,6 @@ class LLMEngine:
             pin_memory=self.platform.device_type != "cpu",
             synchronize=self.platform.synchronize,
         )
-        self.runner.kv_connector = connector
         return connector
 
     def kv_store_stats(self) -> dict | None:
