@@ -26,7 +26,7 @@ from deepinfer.backends.cpu.native import cpu_has_bf16
 from deepinfer.bench.peer import agreement
 from deepinfer.bench.report import git_commit
 from deepinfer.bench.workload import Workload
-from deepinfer.cli import MALLOC_TUNABLES
+from deepinfer.malloc_tuning import MALLOC_TUNABLES
 from deepinfer.model_zoo import default_model_path
 from deepinfer.tokenizer import Tokenizer
 

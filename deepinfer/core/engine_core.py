@@ -213,6 +213,7 @@ class EngineCore:
                 spec.emitted_tokens,
                 spec.request_steps,
             ),
+            kv_store=e.kv_store_stats(),
         )
 
 
