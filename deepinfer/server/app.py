@@ -11,6 +11,7 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
 from deepinfer import __version__
+from deepinfer.router import worker as router_worker
 from deepinfer.server.api import chat, completions, messages, ops, responses
 from deepinfer.server.async_engine import AsyncEngine
 from deepinfer.server.config import ServerConfig
@@ -43,8 +44,10 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
         lifespan=lifespan,
     )
     app.state.serving = ServingContext(async_engine, config.served_model_name, metrics, config.retry_after_s)
-    for api in (chat, completions, responses, messages, ops):
+    for api in (chat, completions, responses, messages, ops, router_worker):
         app.include_router(api.router)
+    app.state.worker = router_worker.worker_identity(engine, config.role)
+    router_worker.role_gauge(metrics.registry, config.role)
     install_error_handlers(app)
     app.add_middleware(RequestGuard, api_key=config.api_key, max_body_bytes=config.max_request_bytes)
     app.openapi = lambda: _openapi(app)

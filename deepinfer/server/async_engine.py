@@ -19,6 +19,7 @@ import asyncio
 import contextlib
 import itertools
 import threading
+import time
 from collections import deque
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
@@ -26,6 +27,7 @@ from typing import TYPE_CHECKING
 from deepinfer.engine.spec_stats import SpecDecodeStats
 from deepinfer.logger import get_logger
 from deepinfer.outputs import RequestOutput
+from deepinfer.router.load import EngineLoad, engine_load
 from deepinfer.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -53,6 +55,7 @@ class EngineStats:
     prefix_queries: int = 0  # prompt tokens looked up in the prefix cache, since start
     prefix_hits: int = 0  # of which found
     spec: SpecDecodeStats = field(default_factory=SpecDecodeStats)  # speculative decoding, since start
+    load: EngineLoad = field(default_factory=EngineLoad)  # what routers see (GET /load)
 
     @property
     def kv_cache_usage(self) -> float:
@@ -141,6 +144,7 @@ class AsyncEngine:
     def __init__(self, engine: LLMEngine, max_queued_requests: int) -> None:
         self.engine = engine
         self.capacity = engine.config.max_num_seqs + max_queued_requests
+        self._busy_s = 0.0  # time in engine steps, since start (the engine thread's)
         self.stats = self._snapshot()
         self.error: BaseException | None = None
         self._streams: dict[str, RequestStream] = {}  # in flight: admitted, not finished or aborted
@@ -244,7 +248,9 @@ class AsyncEngine:
                 accepted, failures = self._apply(commands, live)
                 if accepted or failures:  # tell the waiting handlers before the (maybe long) step
                     self._call_loop(self._deliver, accepted, [], failures)
+                started = time.perf_counter()
                 outputs = engine.step() if engine.has_unfinished_requests() else []
+                self._busy_s += time.perf_counter() - started
                 live.difference_update(o.request_id for o in outputs if o.finished)
                 self.stats = self._snapshot()
                 if outputs:
@@ -294,4 +300,5 @@ class AsyncEngine:
             prefix_queries=kv.prefix_queries,
             prefix_hits=kv.prefix_hits,
             spec=replace(engine.spec_stats),
+            load=engine_load(engine, self._busy_s),
         )

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from deepinfer.router.load import Role
+
 
 class ServerConfig(BaseModel):
     """Validated server settings; invalid values raise ``ValueError`` naming the field."""
@@ -21,3 +23,4 @@ class ServerConfig(BaseModel):
     max_request_bytes: int = Field(8 << 20, ge=1024, description="larger request bodies: 413")
     retry_after_s: int = Field(1, ge=1, description="the Retry-After sent with 429")
     log_level: str = "info"
+    role: Role = Field(Role.BOTH, description="prefill | decode | both: what routers send this worker")

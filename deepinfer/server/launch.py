@@ -77,6 +77,15 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--async-scheduling", action="store_true", help="plan step N+1 while step N computes")
     parser.add_argument(
+        "--role",
+        choices=["prefill", "decode", "both"],
+        help="what routers send this worker (default: the platform's node role: 950PR prefill, 950DT decode, "
+        "others both)",
+    )
+    parser.add_argument(
+        "--register-with", metavar="URL", help="register with the router at URL (and keep doing so)"
+    )
+    parser.add_argument(
         "--log-level",
         default=_default(ServerConfig, "log_level"),
         choices=["debug", "info", "warning", "error"],
@@ -89,6 +98,8 @@ def serve(args: argparse.Namespace) -> int:
 
     from deepinfer.engine.llm_engine import LLMEngine
     from deepinfer.model_zoo import default_model_path
+    from deepinfer.router.load import resolve_role
+    from deepinfer.router.worker import Registration, advertised_url
     from deepinfer.server.app import build_app
 
     model = Path(args.model) if args.model else default_model_path()
@@ -108,6 +119,8 @@ def serve(args: argparse.Namespace) -> int:
     engine_config = EngineConfig(
         model=str(model), **{k: v for k, v in engine_options.items() if v is not None}
     )
+    engine = LLMEngine(engine_config)
+    role = resolve_role(args.role, engine.platform.node_role.value)
     server_config = ServerConfig(
         served_model_name=args.served_model_name or model.name,
         host=args.host,
@@ -116,8 +129,15 @@ def serve(args: argparse.Namespace) -> int:
         max_queued_requests=args.max_queued_requests,
         max_request_bytes=args.max_request_bytes,
         log_level=args.log_level,
+        role=role,
     )
-    app = build_app(LLMEngine(engine_config), server_config)
+    app = build_app(engine, server_config)
+    own_url = advertised_url(server_config.host, server_config.port)
+    print(
+        f"deepinfer serve: model {server_config.served_model_name}, role {role.value}, {own_url}", flush=True
+    )
+    if args.register_with:
+        Registration(args.register_with, own_url).start()
     uvicorn.run(
         app,
         host=server_config.host,

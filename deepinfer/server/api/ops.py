@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 from typing import Literal
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from deepinfer.server.api.common import Serving
@@ -40,11 +40,14 @@ async def list_models(ctx: Serving) -> ModelList:
 
 
 @router.get("/health")
-async def health(ctx: Serving) -> JSONResponse:
+async def health(ctx: Serving, request: Request) -> JSONResponse:
     """200 while the engine thread runs, 503 once it has failed."""
+    role = request.app.state.worker.role.value
     if ctx.engine.healthy:
-        return JSONResponse({"status": "ok"})
-    return JSONResponse({"status": "unavailable", "reason": repr(ctx.engine.error)}, status_code=503)
+        return JSONResponse({"status": "ok", "role": role})
+    return JSONResponse(
+        {"status": "unavailable", "role": role, "reason": repr(ctx.engine.error)}, status_code=503
+    )
 
 
 @router.get("/metrics")
