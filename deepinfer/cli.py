@@ -302,7 +302,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     add_serve_arguments(
         sub.add_parser("serve", help="serve a model over OpenAI- and Anthropic-compatible HTTP")
     )
+    from deepinfer.router import cli as router_cli  # argparse only: no server imports yet
+
+    router_cli.add_router_arguments(
+        sub.add_parser("router", help="route requests over prefill/decode/both workers")
+    )
+    router_cli.add_cluster_arguments(sub.add_parser("cluster", help="a local cluster: workers and a router"))
     args = parser.parse_args(argv)
+    if args.command in ("router", "cluster"):
+        return router_cli.run_router(args) if args.command == "router" else router_cli.run_cluster(args)
     reexec_with_malloc_tuning()
     if args.command == "run":
         return run(args)
