@@ -38,6 +38,13 @@ def add_router_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--first-byte-timeout-s", type=float, default=_default("first_byte_timeout_s"))
     parser.add_argument("--max-attempts", type=int, default=_default("max_attempts"))
     parser.add_argument("--poll-interval-s", type=float, default=_default("poll_interval_s"))
+    parser.add_argument("--poll-timeout-s", type=float, default=_default("poll_timeout_s"))
+    parser.add_argument(
+        "--startup-timeout-s",
+        type=float,
+        default=_default("startup_timeout_s"),
+        help="wait this long for workers",
+    )
     parser.add_argument(
         "--log-level", default=_default("log_level"), choices=["debug", "info", "warning", "error"]
     )
@@ -74,6 +81,8 @@ def router_config(args: argparse.Namespace, **overrides) -> RouterConfig:
         "first_byte_timeout_s": args.first_byte_timeout_s,
         "max_attempts": args.max_attempts,
         "poll_interval_s": args.poll_interval_s,
+        "poll_timeout_s": args.poll_timeout_s,
+        "startup_timeout_s": args.startup_timeout_s,
         "log_level": args.log_level,
         **overrides,
     }
@@ -82,7 +91,7 @@ def router_config(args: argparse.Namespace, **overrides) -> RouterConfig:
     except ValidationError as exc:
         first = exc.errors()[0]
         option = "--" + str(first["loc"][0]).replace("_", "-") if first["loc"] else "the configuration"
-        raise ValueError(f"{option}: {first['msg']}") from None
+        raise ValueError(f"{option}: {str(first['msg']).removeprefix('Value error, ')}") from None
     config.workers()  # a URL given twice
     if not (config.prefill or config.decode or config.both) and not config.accept_registrations:
         raise ValueError(

@@ -33,7 +33,7 @@ class EventSplitter:
         self._buffer = b""
 
     def feed(self, chunk: bytes) -> list[bytes]:
-        self._buffer += chunk.replace(b"\r\n", b"\n")
+        self._buffer = (self._buffer + chunk).replace(b"\r\n", b"\n")  # a CR LF may span two chunks
         *events, self._buffer = self._buffer.split(b"\n\n")
         return [e + b"\n\n" for e in events if e.strip()]
 
