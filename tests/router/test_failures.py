@@ -58,9 +58,9 @@ def _stop_then_resume(c: Cluster, a: str, b: str, pid_a: int) -> None:
             os.kill(pid_a, signal.SIGCONT)
     assert [r.status_code for r in responses] == [200] * 8
     assert all(len(r.json()["choices"][0]["text"]) > 0 for r in responses)
-    assert c.metric('deepinfer_router_ejections_total{worker="%s"}' % a) == 1
+    assert c.metric(f'deepinfer_router_ejections_total{{worker="{a}"}}') == 1
     c.wait_for(lambda: c.health()["status"] == "ok", 15, "re-admission")
-    assert c.metric('deepinfer_router_readmissions_total{worker="%s"}' % a) == 1
+    assert c.metric(f'deepinfer_router_readmissions_total{{worker="{a}"}}') == 1
     with ThreadPoolExecutor(6) as pool:  # at once: the router's own dispatches spread them
         served = {
             r.headers["x-deepinfer-worker"]
