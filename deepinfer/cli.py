@@ -220,6 +220,8 @@ def bench(args: argparse.Namespace) -> int:
             f"{result['output_tokens_per_s']:.0f} tok/s, TTFT mean {result['ttft_s']['mean'] * 1000:.0f} ms "
             f"p99 {result['ttft_s']['p99'] * 1000:.0f} ms, TPOT mean {result['tpot_s']['mean'] * 1000:.1f} ms"
         )
+        if "balance" in result:
+            summary += f"; balance {result['balance']['balance']:.2f}, busy s {result['balance']['busy_s']}"
     elif args.bench == "peer":
         from deepinfer.bench.peer import compare
 
@@ -284,9 +286,16 @@ def _bench_serve(args: argparse.Namespace, model: str, workload, options: dict) 
         server_args.append("--async-scheduling")
     name = args.served_model_name or Path(model).name
     with launch(model, server_args) if args.url is None else contextlib.nullcontext(args.url) as url:
+        from deepinfer.router.measure import BusyMeter
+
+        meter = BusyMeter.attach(url) if args.url else None  # a router: per-worker busy time and balance
         result = asyncio.run(
             run_load(url, name, prompts, workload.output_len, args.request_rate, args.max_seconds, args.seed)
         )
+        if meter is not None:
+            result["balance"] = meter.finish(
+                [(len(p), workload.output_len) for p in prompts[: result["requests"]]]
+            )
     result.update(workload=workload.describe(), server_args=server_args, model=model)
     return result
 

@@ -57,3 +57,10 @@ def balance(busy_s: Mapping[str, float], job_costs: Sequence[float]) -> Balance:
         raise ValueError("balance needs busy time and jobs of positive predicted cost")
     perfect = lpt_makespan([c * total / predicted for c in job_costs], len(busy_s))
     return Balance(dict(busy_s), achieved, perfect, perfect / achieved)
+
+
+def request_cost(model, prompt_tokens: int, output_tokens: int) -> float:
+    """Predicted compute of one request under a ``StepCostModel``: its prompt, then each output
+    token after a growing context (the marginal cost in a batch)."""
+    decode = sum(model.marginal(1, prompt_tokens + i) for i in range(max(0, output_tokens - 1)))
+    return model.marginal(prompt_tokens, 0) + decode

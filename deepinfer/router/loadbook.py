@@ -34,9 +34,18 @@ class _Worker:
 
 
 class LoadBook:
-    """Per-worker load views; see the module docstring."""
+    """Per-worker load views; see the module docstring.
 
-    def __init__(self) -> None:
+    ``report_lag_s``: how long after it was sent a request may still be missing from a report (the
+    worker admits it after parsing and after the step in progress, and publishes its load after the
+    next step). Within it the request counts as unknown to the report; counting it twice for a moment
+    only makes a busy worker look busier, while missing it would send the next requests to it too.
+    """
+
+    def __init__(self, report_lag_s: float = 1.0) -> None:
+        if report_lag_s < 0:
+            raise ValueError(f"report_lag_s must be >= 0, got {report_lag_s}")
+        self.report_lag_s = report_lag_s
         self._workers: dict[str, _Worker] = {}
         self._dispatches: dict[str, dict[str, _Dispatch]] = {}
 
@@ -92,17 +101,20 @@ class LoadBook:
         d.finished_at = now
         if d.prefilled_at is None:
             d.prefilled_at = now
-        if d.sent_at >= self._workers[url].reported_at:  # never in a report: nothing to correct
+        if not self._in_report(d, self._workers[url].reported_at):  # nothing to correct
             del self._dispatches[url][request_id]
 
     # ------------------------------------------------------------------ views
+    def _in_report(self, d: _Dispatch, reported_at: float) -> bool:
+        return d.sent_at + self.report_lag_s <= reported_at
+
     def view(self, url: str) -> WorkerView:
         """``url`` as a policy sees it now."""
         worker = self._workers[url]
         r, t = worker.report, worker.reported_at
         backlog, active, kv = r.prefill_backlog_s, r.active_requests, r.engine.kv_tokens_held
         for d in self._dispatches[url].values():
-            if d.sent_at >= t:  # unknown to the report
+            if not self._in_report(d, t):
                 if d.prefilled_at is None:
                     backlog += d.prefill_s
                 if d.finished_at is None:
