@@ -128,3 +128,36 @@ def test_bad_configuration_is_one_line_naming_the_option(tmp_path: Path) -> None
     cluster = subprocess.run([sys.executable, "-m", "deepinfer.cli", "cluster", "--both", "1", "--kv-store-path",
                               str(tmp_path / "file")], capture_output=True, text=True, timeout=60)  # fmt: skip
     assert cluster.returncode == 2 and "--kv-store-path:" in cluster.stderr
+
+
+def test_a_worker_registers_itself_and_takes_traffic(cluster: Cluster, tmp_path: Path) -> None:
+    import os
+    import subprocess
+    import sys
+
+    from deepinfer.router.cluster import free_port
+
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    cmd = [sys.executable, "-m", "deepinfer.cli", "serve", "--role", "both", "--port", str(port), "--log-level",
+           "warning", "--kv-cache-memory-gib", "0.25", "--register-with", cluster.url]  # fmt: skip
+    with open(tmp_path / "worker.log", "wb") as log:
+        worker = subprocess.Popen(
+            cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"}
+        )
+    try:
+        cluster.wait_for(lambda: url in cluster.health()["workers"], 120, "registration")
+        assert cluster.health()["workers"][url] == {
+            "role": "both",
+            "admitted": True,
+            "source": "registration",
+        }
+        worker.terminate()
+        worker.wait(timeout=30)
+        cluster.wait_for(
+            lambda: not cluster.health()["workers"][url]["admitted"], 15, "ejection after it stopped"
+        )
+    finally:
+        if worker.poll() is None:
+            worker.kill()
+            worker.wait()
