@@ -48,7 +48,6 @@ def make_registry(config: RouterConfig, client: httpx.AsyncClient, metrics: Rout
         config.eject_after,
         model_fingerprint(folder),
         f"--model {folder}",
-        config.report_lag_s,
     )
 
 

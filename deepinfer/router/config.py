@@ -33,9 +33,6 @@ class RouterConfig(BaseModel):
     )
     poll_interval_s: float = Field(0.25, gt=0, description="load / health poll period per worker")
     poll_timeout_s: float = Field(2.0, gt=0, description="a load poll slower than this fails")
-    report_lag_s: float = Field(
-        1.0, ge=0, description="a request sent this recently may be missing from a worker's load report"
-    )
     eject_after: int = Field(2, ge=1, description="consecutive failed polls that eject a worker")
     connect_timeout_s: float = Field(2.0, gt=0, description="connecting to a worker")
     first_byte_timeout_s: float = Field(

@@ -3,9 +3,13 @@ has done since.
 
 Reports arrive every poll interval; requests arrive faster. Between two reports the router adds what
 it dispatched after the report was requested (the worker did not know it yet) and takes off what
-finished after it (the report still counts it). So a burst of requests spreads across workers instead
-of piling onto the one that looked idle at the last poll, and several router replicas still see each
-other's load at the next report. Pure bookkeeping: callers pass the time (``now``), nothing here
+finished after it (the report still counts it). A report also lags behind the worker itself: its
+engine figures are from the end of the engine's last step, and a request the server admitted during
+that step reaches the engine only after it. The report says how many such requests there are (admitted
+by the server, ``num_in_flight``, minus those in the engine), and the router counts its own most recent
+dispatches before the report as those. So a burst of requests spreads across workers instead of piling
+onto the one that looked idle at the last poll, nothing is counted twice, and several router replicas
+still see each other's load at the next report. Pure bookkeeping: callers pass the time (``now``), nothing here
 reads a clock or does I/O, so the simulator drives it with its own clock.
 """
 
@@ -34,18 +38,9 @@ class _Worker:
 
 
 class LoadBook:
-    """Per-worker load views; see the module docstring.
+    """Per-worker load views; see the module docstring."""
 
-    ``report_lag_s``: how long after it was sent a request may still be missing from a report (the
-    worker admits it after parsing and after the step in progress, and publishes its load after the
-    next step). Within it the request counts as unknown to the report; counting it twice for a moment
-    only makes a busy worker look busier, while missing it would send the next requests to it too.
-    """
-
-    def __init__(self, report_lag_s: float = 1.0) -> None:
-        if report_lag_s < 0:
-            raise ValueError(f"report_lag_s must be >= 0, got {report_lag_s}")
-        self.report_lag_s = report_lag_s
+    def __init__(self) -> None:
         self._workers: dict[str, _Worker] = {}
         self._dispatches: dict[str, dict[str, _Dispatch]] = {}
 
@@ -101,25 +96,28 @@ class LoadBook:
         d.finished_at = now
         if d.prefilled_at is None:
             d.prefilled_at = now
-        if not self._in_report(d, self._workers[url].reported_at):  # nothing to correct
+        if d.sent_at >= self._workers[url].reported_at:  # never in a report: nothing to correct
             del self._dispatches[url][request_id]
 
     # ------------------------------------------------------------------ views
-    def _in_report(self, d: _Dispatch, reported_at: float) -> bool:
-        return d.sent_at + self.report_lag_s <= reported_at
-
     def view(self, url: str) -> WorkerView:
         """``url`` as a policy sees it now."""
         worker = self._workers[url]
         r, t = worker.report, worker.reported_at
         backlog, active, kv = r.prefill_backlog_s, r.active_requests, r.engine.kv_tokens_held
-        for d in self._dispatches[url].values():
-            if not self._in_report(d, t):
+        dispatches = self._dispatches[url].values()
+        pending = max(0, r.num_in_flight - r.engine.num_running - r.engine.num_waiting)
+        before = sorted((d for d in dispatches if d.sent_at < t), key=lambda d: d.sent_at, reverse=True)
+        not_in_engine = {id(d) for d in before[:pending]}
+        for d in dispatches:
+            if d.sent_at >= t or id(d) in not_in_engine:  # unknown to the engine figures
                 if d.prefilled_at is None:
                     backlog += d.prefill_s
                 if d.finished_at is None:
-                    active += 1
                     kv += d.kv_tokens
+                    active += d.sent_at >= t  # num_in_flight counts the others
+                elif d.sent_at < t:
+                    active -= 1
             else:  # counted by the report: take off what has ended since
                 if d.prefilled_at is not None and d.prefilled_at >= t:
                     backlog -= d.prefill_s

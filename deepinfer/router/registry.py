@@ -62,10 +62,9 @@ class Registry:
         eject_after: int,
         tokenizer_fingerprint: str,
         tokenizer_source: str,
-        report_lag_s: float = 1.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self.book = LoadBook(report_lag_s)
+        self.book = LoadBook()
         self.identity: Identity | None = None
         self._client = client
         self._metrics = metrics

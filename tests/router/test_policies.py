@@ -210,3 +210,21 @@ def test_error_events_in_each_apis_shape() -> None:
     )
     resp = json.loads(error_events("responses", err, 3).decode().split("data: ")[1])
     assert resp["type"] == "error" and resp["sequence_number"] == 3
+
+
+def test_load_book_counts_what_the_server_admitted_but_the_engine_has_not_seen() -> None:
+    import msgspec
+
+    book = LoadBook()
+    book.observe("a", report(), requested_at=0.0)
+    book.dispatched("a", "x", prefill_s=0.3, kv_tokens=10, now=1.0)
+    book.dispatched("a", "y", prefill_s=0.2, kv_tokens=20, now=1.5)
+    # x is in the engine (its 1000 tokens in the backlog); y was admitted during the engine's step
+    lagging = msgspec.structs.replace(report(backlog_tokens=1000, active=1), num_in_flight=2)
+    book.observe("a", lagging, requested_at=2.0)
+    v = book.view("a")
+    assert v.prefill_backlog_s == pytest.approx(MODEL.marginal(1000, 0) + 0.2)
+    assert (v.active_requests, v.kv_tokens_held) == (2, 20)
+    book.finished("a", "y", now=2.5)
+    v = book.view("a")
+    assert v.prefill_backlog_s == pytest.approx(MODEL.marginal(1000, 0)) and v.active_requests == 1

@@ -161,3 +161,27 @@ def test_a_worker_registers_itself_and_takes_traffic(cluster: Cluster, tmp_path:
         if worker.poll() is None:
             worker.kill()
             worker.wait()
+
+
+def test_a_router_for_another_model_refuses_the_workers(cluster: Cluster, tmp_path: Path) -> None:
+    import json
+    import shutil
+    import subprocess
+    import sys
+
+    from deepinfer.model_zoo import default_model_path
+
+    other = tmp_path / "other-model"
+    shutil.copytree(
+        default_model_path(), other, ignore=shutil.ignore_patterns("*.safetensors", "confidence_head")
+    )
+    config = json.loads((other / "config.json").read_text())
+    (other / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 2}))
+    decode = cluster.workers_of("decode")[0]
+    cmd = [sys.executable, "-m", "deepinfer.cli", "router", "--decode", decode, "--model", str(other)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1, done.stderr
+    assert (
+        f"--decode {decode}: the worker serves another model or tokenizer than the router's --model"
+        in done.stderr
+    )
