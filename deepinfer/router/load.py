@@ -19,38 +19,19 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Iterable
-from enum import Enum
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import msgspec
 
 from deepinfer.engine.cost_model import StepCostModel, attention_pairs
+from deepinfer.router.roles import Role
 
 if TYPE_CHECKING:
     from deepinfer.engine.llm_engine import LLMEngine
     from deepinfer.engine.request import Request
 
 LOAD_PATH = "/load"  # operational, like /health and /metrics: no API key
-
-
-class Role(str, Enum):
-    """What a worker does in a disaggregated deployment. ``both``: whole requests (aggregated)."""
-
-    PREFILL = "prefill"
-    DECODE = "decode"
-    BOTH = "both"
-
-
-def resolve_role(flag: str | None, node_role: str) -> Role:
-    """The worker's role: ``--role`` when given, else the platform's node role (950PR -> prefill,
-    950DT -> decode, others -> both). An unknown value is a ``ValueError`` naming ``--role``."""
-    value = flag if flag is not None else node_role
-    try:
-        return Role(value)
-    except ValueError:
-        accepted = ", ".join(r.value for r in Role)
-        raise ValueError(f"--role: {value!r} is not a role (accepted: {accepted})") from None
 
 
 class PrefillWork(msgspec.Struct, frozen=True):

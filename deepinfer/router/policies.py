@@ -17,10 +17,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal, Protocol
+from typing import TYPE_CHECKING, Literal, Protocol
 
-from deepinfer.engine.cost_model import StepCostModel
-from deepinfer.router.load import Role
+from deepinfer.router.roles import Role
+
+if TYPE_CHECKING:
+    from deepinfer.engine.cost_model import StepCostModel
 
 
 @dataclass(frozen=True, slots=True)

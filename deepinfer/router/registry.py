@@ -20,9 +20,10 @@ import httpx
 import msgspec
 
 from deepinfer.logger import get_logger
-from deepinfer.router.load import LOAD_PATH, Role, WorkerLoad
+from deepinfer.router.load import LOAD_PATH, WorkerLoad
 from deepinfer.router.loadbook import LoadBook
 from deepinfer.router.metrics import RouterMetrics
+from deepinfer.router.roles import Role
 
 logger = get_logger(__name__)
 OPTION_ROLES = {"--prefill": Role.PREFILL, "--decode": Role.DECODE, "--both": Role.BOTH}

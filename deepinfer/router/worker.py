@@ -24,12 +24,12 @@ from deepinfer.logger import get_logger
 from deepinfer.router.load import (
     LOAD_PATH,
     CostModel,
-    Role,
     WorkerLoad,
     kv_layout_fingerprint,
     model_fingerprint,
     step_cost_model,
 )
+from deepinfer.router.roles import Role
 
 if TYPE_CHECKING:
     from deepinfer.engine.llm_engine import LLMEngine

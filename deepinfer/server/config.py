@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from deepinfer.router.load import Role
+from deepinfer.router.roles import Role
 
 
 class ServerConfig(BaseModel):

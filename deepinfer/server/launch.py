@@ -98,7 +98,7 @@ def serve(args: argparse.Namespace) -> int:
 
     from deepinfer.engine.llm_engine import LLMEngine
     from deepinfer.model_zoo import default_model_path
-    from deepinfer.router.load import resolve_role
+    from deepinfer.router.roles import resolve_role
     from deepinfer.router.worker import Registration, advertised_url
     from deepinfer.server.app import build_app
 

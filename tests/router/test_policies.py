@@ -8,7 +8,7 @@ import pytest
 
 from deepinfer.engine.cost_model import StepCostModel
 from deepinfer.router.balance import balance, lpt_makespan
-from deepinfer.router.load import CostModel, EngineLoad, PrefillWork, Role, WorkerLoad, resolve_role
+from deepinfer.router.load import CostModel, EngineLoad, PrefillWork, WorkerLoad
 from deepinfer.router.loadbook import LoadBook
 from deepinfer.router.policies import (
     DecodeLoad,
@@ -23,6 +23,7 @@ from deepinfer.router.policies import (
     plan,
     prefill_policy,
 )
+from deepinfer.router.roles import Role, resolve_role
 from deepinfer.router.stream import EventSplitter, carries_output, error_events
 from deepinfer.server.errors import ApiError
 
