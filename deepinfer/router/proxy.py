@@ -205,7 +205,9 @@ class Proxy:
             book.prefilled(url, rid, self.clock())
             handed_over = True
             events = self._relay_stream(api, url, rid, response, chunks, opening, ejected, deadline)
-            return EventStreamResponse(events, on_close=lambda: self._closed(url, rid, response))
+            relayed = EventStreamResponse(events, on_close=lambda: self._closed(url, rid, response))
+            relayed.headers[WORKER_HEADER] = url
+            return relayed
         except _Ejected:
             return _Failure("ejected", "the worker was ejected while the attempt waited")
         except TimeoutError:

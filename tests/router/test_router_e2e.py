@@ -96,6 +96,10 @@ def test_usage_errors_and_operational_routes(cluster: Cluster) -> None:
     )
     assert bad.status_code == 400 and bad.json()["type"] == "error"
     assert [m.id for m in oa.models.list()] == [MODEL]
+    body = {"model": MODEL, "prompt": SHORT, "max_tokens": 2, "stream": True}
+    with httpx.stream("POST", f"{cluster.url}/v1/completions", json=body, timeout=60) as streamed:
+        assert streamed.headers["x-deepinfer-worker"] in cluster.workers
+        assert list(streamed.iter_lines())[-2:] == ["data: [DONE]", ""]
     workers = httpx.get(f"{cluster.url}/router/workers").json()
     assert {w["role"] for w in workers.values()} == {"both", "decode"} and all(
         w["admitted"] for w in workers.values()
