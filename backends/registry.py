@@ -68,6 +68,7 @@ class OpTable:
         self.backend = backend
         self._impls: dict[str, Callable[..., Any]] = {}
         self._fallbacks: dict[str, str] = {}
+        self._runtime_fallbacks: dict[str, str] = {}  # see fallback_at_runtime
         self._final = False
         # For backends whose graph-captured ops bake host-side values (Ascend FIA's sequence lengths):
         # a factory of sessions with ``recording()`` (a context manager around capture) and
@@ -102,6 +103,18 @@ class OpTable:
         for name in names:
             self._fallbacks[name] = reason
 
+    def fallback_at_runtime(self, name: str, reason: str) -> None:
+        """Declare that op ``name``, implemented by this backend, runs the reference implementation on
+        this host after all, for ``reason`` found only when it first ran (a native kernel that is not
+        built, does not load, or failed its self-test). Logged as a WARNING once per reason; listed by
+        ``reference_fallbacks`` and ``describe()``. Cheap to call on every use."""
+        if self._runtime_fallbacks.get(name) == reason:
+            return
+        if name not in self._impls:
+            raise ValueError(f"{self.backend}: {name!r} is not an op this backend implements")
+        self._runtime_fallbacks[name] = reason
+        logger.warning("backend %s: op %s runs the reference implementation (%s)", self.backend, name, reason)
+
     def finalize(self) -> OpTable:
         """Check completeness (idempotent). Raises MissingOpError naming every missing op."""
         if self._final:
@@ -134,8 +147,17 @@ class OpTable:
 
     @property
     def reference_fallbacks(self) -> dict[str, str]:
-        """Op name -> reason, for ops this backend declared to run the reference implementation."""
-        return dict(self._fallbacks)
+        """Op name -> reason, for ops this backend declared to run the reference implementation (at
+        registration, or at run time on this host)."""
+        return {**self._fallbacks, **self._runtime_fallbacks}
+
+    def describe(self) -> str:
+        """One line: the backend, its op count, and each reference fallback with its reason."""
+        fallbacks = self.reference_fallbacks
+        listed = "; ".join(f"{name} ({why})" for name, why in sorted(fallbacks.items()))
+        return f"{self.backend}: {len(self._impls)} ops" + (
+            f", reference implementation for {listed}" if fallbacks else ", no reference fallbacks"
+        )
 
     def __getattr__(self, name: str) -> Callable[..., Any]:
         if name.startswith("_"):

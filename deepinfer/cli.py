@@ -19,6 +19,45 @@ from deepinfer import __version__, envs
 MALLOC_TUNABLES = "glibc.malloc.mmap_threshold=4294967295:glibc.malloc.trim_threshold=4294967295"
 
 
+class HelpFormatter(argparse.HelpFormatter):
+    """``--help`` shows each option's default (where it has one worth showing)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        default = action.default
+        if "%(default)" in text or default in (None, False, argparse.SUPPRESS) or not action.option_strings:
+            return text
+        return f"{text} (default: %(default)s)" if text else "(default: %(default)s)"
+
+
+class Parser(argparse.ArgumentParser):
+    """An argument parser whose errors are one line (``deepinfer serve: error: ...``)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        kwargs.setdefault("formatter_class", HelpFormatter)
+        super().__init__(*args, **kwargs)
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def user_error(prog: str, exc: BaseException) -> int:
+    """Print a user's mistake (bad settings, a missing file, a busy port) as one line; exit code 2."""
+    from pydantic import ValidationError
+
+    if isinstance(exc, ValidationError):
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first["loc"])
+        flag = f"--{where.replace('_', '-')}: " if where else ""
+        message = f"{flag}{first['msg']}"
+        if first.get("input") is not None and where:
+            message += f" (got {first['input']!r})"
+    else:
+        message = str(exc)
+    print(f"{prog}: error: {message}", file=sys.stderr)
+    return 2
+
+
 def reexec_with_malloc_tuning() -> None:
     """Re-execute this process once with glibc's malloc thresholds raised: without it, large
     temporaries are mmapped and unmapped every step and page faults can double the run time."""
@@ -54,8 +93,11 @@ def _read_prompts(args: argparse.Namespace) -> list[str]:
     for p in args.prompts:
         prompts.append(sys.stdin.read() if p == "-" else p)
     if args.file:
-        with open(args.file, encoding="utf-8") as f:
-            prompts += [line.rstrip("\n") for line in f if line.strip()]
+        try:
+            with open(args.file, encoding="utf-8") as f:
+                prompts += [line.rstrip("\n") for line in f if line.strip()]
+        except OSError as exc:
+            raise ValueError(f"--file {args.file}: {exc.strerror or exc}") from None
     if not prompts and not sys.stdin.isatty():
         data = sys.stdin.read()
         if data.strip():
@@ -66,22 +108,33 @@ def _read_prompts(args: argparse.Namespace) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    prompts = _read_prompts(args)
-    from deepinfer.llm import LLM
+    """``deepinfer run``; a user error (a bad option, a missing file or model) is one line, exit 2."""
+    from pydantic import ValidationError
+
+    try:
+        return _run(args)
+    except (ValueError, ValidationError, OSError) as exc:
+        return user_error("deepinfer run", exc)
+
+
+def _run(args: argparse.Namespace) -> int:
     from deepinfer.sampling_params import SamplingParams
 
-    options = {"dtype": args.dtype}
-    if args.accelerator:
-        options["accelerator"] = args.accelerator
-    llm = LLM(args.model, **options)
-    engine = llm.engine
-    params = SamplingParams(
+    params = SamplingParams(  # checked before the prompts are read and the model loads
         temperature=args.temperature,
         top_p=args.top_p,
         top_k=args.top_k,
         seed=args.seed,
         max_tokens=args.max_tokens,
     )
+    prompts = _read_prompts(args)
+    from deepinfer.llm import LLM
+
+    options = {"dtype": args.dtype}
+    if args.accelerator:
+        options["accelerator"] = args.accelerator
+    llm = LLM(args.model, **options)
+    engine = llm.engine
     if not args.json:
         print(
             f"deepinfer {__version__} | platform {engine.platform.describe()} | model {engine.checkpoint.path.name} "
@@ -301,7 +354,7 @@ def _bench_serve(args: argparse.Namespace, model: str, workload, options: dict) 
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="deepinfer", description="DeepSeek-family inference engine")
+    parser = Parser(prog="deepinfer", description="DeepSeek-family inference engine")
     parser.add_argument("--version", action="version", version=f"deepinfer {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     add_run_arguments(sub.add_parser("run", help="complete prompts with a model"))
@@ -326,9 +379,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "bench":
         return bench(args)
     if args.command == "serve":
+        from pydantic import ValidationError
+
         from deepinfer.server.launch import serve
 
-        return serve(args)
+        try:
+            return serve(args)
+        except (ValueError, ValidationError, OSError) as exc:
+            return user_error("deepinfer serve", exc)
     parser.error(f"unknown command {args.command}")
     return 2
 

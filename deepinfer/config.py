@@ -62,3 +62,8 @@ class EngineConfig(BaseModel):
         "calibrate",
         description="step cost model: measured on the model at startup (cached) or from chip facts",
     )
+    detokenize: bool = Field(
+        True,
+        description="build output text in the engine; False leaves it to the caller (the server's API front "
+        "detokenizes; stop strings are still matched in the engine)",
+    )

@@ -68,6 +68,15 @@ ENV_VARS: dict[str, EnvVar] = {
             "Where deepinfer keeps files it can recompute (calibrated step cost models).",
         ),
         EnvVar(
+            "DEEPINFER_CPU_BACKEND",
+            "auto",
+            str.strip,
+            "Op backend of the cpu platform: fast (deepinfer.backends.cpu, C++ kernels built with the "
+            "host's C++ compiler; an error if they cannot be built) | reference (the plain-PyTorch "
+            "oracle) | auto (fast when a C++ compiler and ninja are present, else reference with a "
+            "warning that says what is missing).",
+        ),
+        EnvVar(
             "DEEPINFER_CONFORMANCE_DTYPES",
             "float32,bfloat16",
             str.strip,

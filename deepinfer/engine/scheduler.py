@@ -61,10 +61,26 @@ class Scheduler:
 
     # ------------------------------------------------------------------ requests
     def add_request(self, request: Request) -> None:
+        """Queue a request; raises ValueError for a duplicate id or one that can never fit the cache."""
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
+        self.check_fits(request.num_prompt_tokens, request.max_tokens)
         self.requests[request.request_id] = request
         self.waiting.append(request)
+
+    def check_fits(self, num_prompt_tokens: int, max_tokens: int) -> None:
+        """Raise ValueError when a request of this many prompt and new tokens could never be held by
+        the whole KV cache (with its draft slots): admitted, it would wait for blocks forever."""
+        bs = self.kv.block_size
+        num_blocks = self.kv.pool.num_blocks
+        lookahead = self.config.num_lookahead_tokens
+        if -(-(num_prompt_tokens + max_tokens + lookahead) // bs) > num_blocks:
+            drafts = f", {lookahead} per request kept for drafts" if lookahead else ""
+            raise ValueError(
+                f"the prompt's {num_prompt_tokens} tokens plus max_tokens={max_tokens} do not fit the KV "
+                f"cache, {num_blocks} blocks of {bs} tokens ({num_blocks * bs} tokens{drafts}); lower "
+                "max_tokens or shorten the prompt"
+            )
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -130,6 +146,7 @@ class Scheduler:
                 if num_new == 0 or not self.kv.allocate(request, num_new, cached, lookahead=lookahead):
                     break
                 self.waiting.popleft()
+                self.kv.record_prefix_lookup(request, num_cached)
                 request.num_computed_tokens = num_cached
                 if request.num_cached_tokens < 0:
                     request.num_cached_tokens = num_cached

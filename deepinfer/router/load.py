@@ -78,6 +78,21 @@ class EngineLoad(msgspec.Struct, frozen=True):
     busy_s: float = 0.0  # time spent in engine steps since start
 
 
+def combined_load(a: EngineLoad, b: EngineLoad) -> EngineLoad:
+    """The load of two engine cores serving as one worker (data-parallel ranks): sums."""
+    pa, pb = a.prefill, b.prefill
+    prefill = PrefillWork(pa.requests + pb.requests, pa.tokens + pb.tokens, pa.attention_pairs + pb.attention_pairs,
+                          pa.context_tokens + pb.context_tokens)  # fmt: skip
+    return EngineLoad(
+        a.num_running + b.num_running,
+        a.num_waiting + b.num_waiting,
+        prefill,
+        a.kv_tokens_held + b.kv_tokens_held,
+        a.kv_capacity_tokens + b.kv_capacity_tokens,
+        a.busy_s + b.busy_s,
+    )
+
+
 def _remaining_prompt(request: Request) -> tuple[int, int]:
     computed = min(request.num_computed_tokens, request.num_prompt_tokens)
     return request.num_prompt_tokens - computed, computed

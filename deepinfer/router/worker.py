@@ -2,9 +2,11 @@
 :class:`~deepinfer.router.load.WorkerLoad` routers poll; also their health check), the role gauge in
 ``/metrics``, and self-registration with a router (``--register-with URL``).
 
-What it needs from the server: the ``ServingContext`` on ``app.state.serving`` (its ``engine`` with
-``stats.load``, ``healthy`` and ``num_in_flight``, and ``model_name``) and a :class:`WorkerIdentity`
-on ``app.state.worker`` (built once at startup by :func:`worker_identity`).
+What it needs from the server: the ``ServingContext`` on ``app.state.serving`` (its ``client``:
+``info``, the first core's ``Ready`` with the node role, KV layout fingerprint and cost model;
+``stats.load``; ``healthy``; ``num_in_flight``; and ``config``: served model name, ``role`` and the
+model folder's fingerprint, ``model_fingerprint``). The role is the configured one, else the node
+role the engine core reports once it is ready.
 """
 
 from __future__ import annotations
@@ -12,73 +14,70 @@ from __future__ import annotations
 import contextlib
 import socket
 import threading
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from collections.abc import Iterator
 
 import msgspec
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
-from prometheus_client import CollectorRegistry, Gauge
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 from deepinfer.logger import get_logger
-from deepinfer.router.load import (
-    LOAD_PATH,
-    CostModel,
-    WorkerLoad,
-    kv_layout_fingerprint,
-    model_fingerprint,
-    step_cost_model,
-)
+from deepinfer.router.load import LOAD_PATH, WorkerLoad
 from deepinfer.router.roles import Role
-
-if TYPE_CHECKING:
-    from deepinfer.engine.llm_engine import LLMEngine
 
 logger = get_logger(__name__)
 REGISTER_PATH = "/router/register"
 router = APIRouter()
 
 
-@dataclass(frozen=True, slots=True)
-class WorkerIdentity:
-    """What a worker reports that does not change while it runs."""
-
-    role: Role
-    model_fingerprint: str
-    kv_layout: str
-    cost_model: CostModel
+def worker_role(ctx) -> Role | None:
+    """The worker's role: configured, else the engine core's node role (``None`` until it is ready)."""
+    if ctx.config.role is not None:
+        return ctx.config.role
+    info = ctx.client.info
+    return Role(info.node_role) if info is not None else None
 
 
-def worker_identity(engine: LLMEngine, role: Role) -> WorkerIdentity:
-    return WorkerIdentity(
-        role,
-        model_fingerprint(engine.config.model, engine.config.tokenizer),
-        kv_layout_fingerprint(engine),
-        CostModel.of(step_cost_model(engine)),
-    )
+class _RoleCollector(Collector):
+    def __init__(self, ctx) -> None:
+        self._ctx = ctx
+
+    def collect(self) -> Iterator[Metric]:
+        family = GaugeMetricFamily(
+            "deepinfer_worker_role", "This worker's role (the labelled series is 1)", labels=["role"]
+        )
+        role = worker_role(self._ctx)
+        if role is not None:
+            family.add_metric([role.value], 1)
+        yield family
 
 
-def role_gauge(registry: CollectorRegistry, role: Role) -> None:
-    """``deepinfer_worker_role{role=...} 1`` in the server's metrics."""
-    Gauge(
-        "deepinfer_worker_role", "This worker's role (the labelled series is 1)", ["role"], registry=registry
-    ).labels(role=role.value).set(1)
+def role_gauge(registry: CollectorRegistry, ctx) -> None:
+    """``deepinfer_worker_role{role=...} 1`` in the server's metrics (once the role is known)."""
+    registry.register(_RoleCollector(ctx))
 
 
 @router.get(LOAD_PATH)
 async def load(request: Request) -> Response:
-    """The worker's identity and load, for routers (JSON :class:`WorkerLoad`)."""
-    ctx, ident = request.app.state.serving, request.app.state.worker
-    engine = ctx.engine
+    """The worker's identity and load, for routers (JSON :class:`WorkerLoad`); 503 until its engine
+    core is ready."""
+    ctx = request.app.state.serving
+    client, info = ctx.client, ctx.client.info
+    if info is None or info.cost_model is None:
+        return Response(
+            b'{"error": "the engine core is not ready yet"}', status_code=503, media_type="application/json"
+        )
     body = WorkerLoad(
         model=ctx.model_name,
-        model_fingerprint=ident.model_fingerprint,
-        kv_layout=ident.kv_layout,
-        role=ident.role,
-        healthy=engine.healthy,
-        num_in_flight=engine.num_in_flight,
-        engine=engine.stats.load,
-        cost_model=ident.cost_model,
+        model_fingerprint=ctx.config.model_fingerprint,
+        kv_layout=info.kv_layout,
+        role=worker_role(ctx),
+        healthy=client.healthy and not ctx.draining,
+        num_in_flight=client.num_in_flight,
+        engine=client.stats.load,
+        cost_model=info.cost_model,
     )
     return Response(msgspec.json.encode(body), media_type="application/json")
 

@@ -173,6 +173,11 @@ class ModelRunner:
                 )
         if self.proposer is not None and out.sampled:
             out.drafts, out.num_proposed = self.proposer.propose(inputs, hidden, out.sampled)
+            if self.structured is not None:
+                out.drafts = {
+                    rid: self.structured.valid_drafts(rid, out.sampled[rid], drafts)
+                    for rid, drafts in out.drafts.items()
+                }
         return out
 
     def _sampling_plan(self, inputs: StepInputs) -> SamplingPlan:

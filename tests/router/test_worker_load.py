@@ -43,14 +43,15 @@ def test_engine_load_follows_a_prompt_through_the_engine(engine: LLMEngine) -> N
 
 
 def test_load_endpoint_health_and_role_metric() -> None:
-    gen = start_server(default_model_path(), runner=lambda engine: None, role=Role.DECODE)
+    gen = start_server(default_model_path(), runner=lambda engine: None, role=Role.DECODE,
+                       model_fingerprint=model_fingerprint(default_model_path()))  # fmt: skip
     handle = next(gen)
     try:
         load = msgspec.json.decode(httpx.get(f"{handle.url}{LOAD_PATH}").content, type=WorkerLoad)
         assert (load.role, load.healthy, load.model) == (Role.DECODE, True, "tiny-deepseek")
         assert load.model_fingerprint == model_fingerprint(default_model_path())
         assert len(load.kv_layout) == 16 and load.cost_model.source == "chip facts"
-        assert httpx.get(f"{handle.url}/health").json() == {"status": "ok", "role": "decode"}
+        assert httpx.get(f"{handle.url}/health").json()["role"] == "decode"
         assert 'deepinfer_worker_role{role="decode"} 1.0' in httpx.get(f"{handle.url}/metrics").text
         body = {"model": "tiny-deepseek", "prompt": list(range(100, 300)), "max_tokens": 3}
         assert httpx.post(f"{handle.url}/v1/completions", json=body, timeout=60).status_code == 200

@@ -46,11 +46,15 @@ async def tokenize_prompts(ctx: ServingContext, prompt: p.Prompt) -> list[list[i
     """The prompt(s) as token-id lists (token ids are checked against the vocabulary)."""
     if isinstance(prompt, str):
         prompt = [prompt]
-    if prompt and all(isinstance(t, int) for t in prompt):
+    if not prompt:
+        raise ApiError(400, "prompt is empty: give a string, a list of strings or token ids", param="prompt")
+    if all(isinstance(t, int) for t in prompt):
         prompt = [prompt]
     if all(isinstance(t, str) for t in prompt):
         if ctx.tokenizer is None:
             raise ApiError(400, "this model has no tokenizer: send the prompt as token ids", param="prompt")
+        for i, text in enumerate(prompt):
+            ctx.check_text_length(len(text), f"prompt[{i}]" if len(prompt) > 1 else "prompt")
         return await asyncio.to_thread(_encode_texts, ctx.tokenizer, list(prompt))
     for i, ids in enumerate(prompt):
         bad = [t for t in ids if t >= ctx.vocab_size]
@@ -67,6 +71,7 @@ async def tokenize_prompts(ctx: ServingContext, prompt: p.Prompt) -> list[list[i
 async def create_completion(body: p.CompletionRequest, request: Request, ctx: Serving) -> Response:
     """Complete raw prompts (OpenAI Completions); ``stream: true`` streams chunks as SSE."""
     ctx.check_model(body.model)
+    ctx.check_admitting()
     _refuse_unsupported(body)
     params = ctx.sampling_params(
         {**body.sampling_values(), "max_tokens": body.max_tokens, "logprobs": body.logprobs}, FIELDS
@@ -75,7 +80,8 @@ async def create_completion(body: p.CompletionRequest, request: Request, ctx: Se
     runs: list[TextRun] = []
     try:
         for ids in prompts:
-            runs.append(TextRun(ctx, ctx.admit(ids, params, FIELDS), ids, params))
+            stream = ctx.admit(ids, params, FIELDS, request.state.arrival_time, detokenize=True)
+            runs.append(TextRun(ctx, stream, ids, params))
     except ApiError:
         for run in runs:
             run.close()
@@ -83,7 +89,7 @@ async def create_completion(body: p.CompletionRequest, request: Request, ctx: Se
     echo = [ctx.tokenizer.decode(ids) if ctx.tokenizer else "" for ids in prompts] if body.echo else None
     renderer = CompletionRenderer(runs, ctx.model_name, params.n, body.logprobs, echo, body.include_usage)
     group = runs[0] if len(runs) == 1 else RunGroup(runs, params.n)
-    return await respond(request, group, renderer, bool(body.stream))
+    return await respond(request, group, renderer, bool(body.stream), FIELDS)
 
 
 class CompletionRenderer:

@@ -1,0 +1,16 @@
+"""The fast CPU backend's op table (see the package docstring for what it implements and why)."""
+
+from deepinfer.backends.registry import OpTable
+
+OPS = OpTable("deepinfer.backends.cpu.backend")
+
+from deepinfer.backends.cpu import attention, cache, moe, norm  # noqa: E402  (submodules register into OPS)
+
+OPS.use_reference_for(
+    ["moe_route", "ep_dispatch", "ep_combine", "sample"],
+    "already vectorised torch without loops; a kernel would save only dispatch time",
+)
+OPS.use_reference_for(["kv_cache_gather"], "one index_select reads each row once")
+OPS.use_reference_for(["mla_prefill"], "torch's fused CPU attention per request; no faster kernel yet")
+
+__all__ = ["OPS", "attention", "cache", "moe", "norm"]
