@@ -68,7 +68,7 @@ def answers(base: str, prompt: str) -> dict[str, str]:
 
 def test_all_apis_through_the_router_match_a_single_server(cluster: Cluster) -> None:
     both, decode = cluster.workers_of("both")[0], cluster.workers_of("decode")[0]
-    assert httpx.get(f"{both}/health").json() == {"status": "ok", "role": "both"}
+    assert httpx.get(f"{both}/health").json()["role"] == "both"
     assert 'deepinfer_worker_role{role="decode"} 1.0' in httpx.get(f"{decode}/metrics").text
     for prompt in (SHORT, LONG):
         direct = answers(both, prompt)
