@@ -67,8 +67,11 @@ def running_cluster(tmp_path: Path, *args: str, timeout_s: float = 180.0) -> Ite
     cmd = [sys.executable, "-m", "deepinfer.cli", "cluster", "--port", str(port), "--kv-store-path",
            str(tmp_path / "store"), "--worker-threads", "1", "--worker-kv-cache-gib", "0.25", "--log-level",
            "warning", *args]  # fmt: skip
+    # the reference CPU ops: these tests are about routing, and starting many workers at once must not
+    # wait on (or, killed mid-start, leave behind) a lock on the shared build of the native kernels
+    env = {**os.environ, "DEEPINFER_CPU_BACKEND": "reference"}
     with open(log, "wb") as out:
-        process = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        process = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env=env)
     cluster = Cluster(f"http://127.0.0.1:{port}", process, log)
     try:
         deadline = time.monotonic() + timeout_s

@@ -147,7 +147,10 @@ def test_a_worker_registers_itself_and_takes_traffic(cluster: Cluster, tmp_path:
            "warning", "--kv-cache-memory-gib", "0.25", "--register-with", cluster.url]  # fmt: skip
     with open(tmp_path / "worker.log", "wb") as log:
         worker = subprocess.Popen(
-            cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"}
+            cmd,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "OMP_NUM_THREADS": "1", "DEEPINFER_CPU_BACKEND": "reference"},
         )
     try:
         cluster.wait_for(lambda: url in cluster.health()["workers"], 120, "registration")
