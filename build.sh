@@ -43,7 +43,14 @@ if [ ! -x "$VENV/bin/python" ]; then
 fi
 mkdir -p "$STAMPS"
 VPY="$VENV/bin/python"
-pip_install() { "$VPY" -m pip install --disable-pip-version-check -q "$@" 2>&1 | grep -v 'is ignored: it is neither' || true; }
+# pip's own progress, one line per package (a first run downloads torch and friends: several minutes).
+pip_install() {
+  if ! "$VPY" -m pip install --disable-pip-version-check --progress-bar off "$@" 2>&1 \
+    | { grep --line-buffered -E '^(Collecting|Installing collected|Successfully installed|ERROR)' || true; } \
+    | sed -u 's/^/build.sh:   /'; then
+    die "pip install $* failed; rerun that command by hand to see pip's whole output"
+  fi
+}
 
 # --------------------------------------------------------------------------------- install
 case "$ACCEL" in
@@ -55,6 +62,7 @@ want="$ACCEL|$EXTRAS|$TORCH_SPEC|$(sha256sum pyproject.toml | cut -c1-16)"
 if [ "$(cat "$STAMPS/install" 2>/dev/null)" = "$want" ] && "$VPY" -c 'import deepinfer.backends.ops' 2>/dev/null; then
   say "python environment up to date ($ACCEL, extras: $EXTRAS)"
 else
+  say "installing the python environment ($ACCEL); the first run downloads packages and can take several minutes"
   say "installing $TORCH_SPEC"
   pip_install "$TORCH_SPEC"
   say "installing deepinfer (editable) with extras [$EXTRAS]"
@@ -90,6 +98,14 @@ build_native() {  # $1 name, $2 source dir, $3 file glob, $4 toolchain check com
 }
 
 say "ops_cuda: Triton kernels, compiled by Triton on first use; no native sources to build"
+# The fast CPU backend's kernels (torch.utils.cpp_extension, cached in DEEPINFER_CACHE_DIR/cpu_ops by
+# source, torch version and CPU flags). Without a compiler the cpu platform runs the reference backend
+# and says so at start-up (DEEPINFER_CPU_BACKEND=fast makes that an error).
+build_native cpu_ops backends/cpu/csrc '*.cpp' \
+  'command -v "${CXX:-c++}"' \
+  "needs a C++ compiler (install g++ or set CXX); the cpu platform will warn and run the reference backend" \
+  '"$VPY" -m deepinfer.backends.cpu.native'
+
 build_native ops_ascend ops_ascend/csrc '*.cpp' \
   "has_cann" \
   "needs CANN (ASCEND_HOME_PATH from set_env.sh)" \

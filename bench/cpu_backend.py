@@ -22,10 +22,11 @@ import sys
 import tempfile
 from pathlib import Path
 
+from deepinfer.backends.cpu.native import cpu_has_bf16
 from deepinfer.bench.peer import agreement
 from deepinfer.bench.report import git_commit
 from deepinfer.bench.workload import Workload
-from deepinfer.cli import MALLOC_TUNABLES
+from deepinfer.malloc_tuning import MALLOC_TUNABLES
 from deepinfer.model_zoo import default_model_path
 from deepinfer.tokenizer import Tokenizer
 
@@ -108,7 +109,13 @@ def main() -> None:
     args = parser.parse_args()
     model = str(default_model_path())
     tokenizer = Tokenizer(model)
-    report: dict = {"commit": git_commit(REPO), "threads": args.threads, "reps": args.reps, "workloads": {}}
+    report: dict = {
+        "commit": git_commit(REPO),
+        "threads": args.threads,
+        "reps": args.reps,
+        "cpu_has_native_bf16": cpu_has_bf16(),
+        "workloads": {},
+    }
     with tempfile.TemporaryDirectory() as tmp_dir:
         tmp = Path(tmp_dir)
         for name, workload in WORKLOADS.items():

@@ -130,6 +130,14 @@ ENV_VARS: dict[str, EnvVar] = {
             "--api-key is not given; unset means no key is needed.",
         ),
         EnvVar(
+            "DEEPINFER_SWA_REPLAY",
+            "exact",
+            str.strip,
+            "KV store, models with sliding-window layers: how a prefix hit that lacks the window's SWA "
+            "state is completed. exact: recompute the receptive field (same result as a cold run); "
+            "bounded: recompute only the last swa_replay_tokens (DeepSeek's approximation).",
+        ),
+        EnvVar(
             "DEEPINFER_NUM_THREADS",
             None,
             int,

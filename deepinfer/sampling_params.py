@@ -45,6 +45,8 @@ class SamplingParams(BaseModel):
     json_schema: dict | str | None = None
     grammar: str | None = None
     choice: list[str] | None = Field(None, min_length=1)
+    # KV store retention class (agent, chat or one the operator configures); None: the default.
+    traffic_class: str | None = Field(None, min_length=1, max_length=16)
 
     @model_validator(mode="after")
     def _one_constraint(self) -> SamplingParams:

@@ -8,8 +8,9 @@ import-light so the platform can ask ``native.toolchain_problem()`` first. What 
 
 - ``mla_decode``: reads each cached row once, in place through the block table, with an online softmax,
   split along the KV and merged by log-sum-exp (the reference gathers and pads every request's blocks).
-- ``kv_cache_write``, ``rms_norm``, ``add_rms_norm``, ``rope``, ``silu_and_mul``: one pass each instead
-  of several torch ops (at small batches a decode step is mostly op dispatch).
+- ``kv_cache_write``, ``rms_norm``, ``add_rms_norm``, ``rope``: one pass each instead of several torch
+  ops (at small batches a decode step is mostly op dispatch). ``silu_and_mul`` stays torch's: its
+  vectorised SiLU beat a one-pass kernel here.
 - ``grouped_gemm``, ``fused_moe``: ``torch._grouped_mm`` over expert-sorted rows, no Python loop over
   experts and no host synchronisation.
 """

@@ -12,9 +12,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from deepinfer.backends.cpu.backend import OPS
-from deepinfer.backends.cpu.native import load
+from deepinfer.backends.reference.norm import silu_and_mul
 
-_native = load()
 _ALIGN_BYTES = 16
 
 
@@ -52,7 +51,7 @@ def fused_moe(hidden: Tensor, w13: Tensor, w2: Tensor, topk_weights: Tensor, top
     tokens = order // top_k
     offs = torch.bincount(ids, minlength=num_experts).cumsum(0).to(torch.int32)
     gate_up = _grouped(hidden.index_select(0, tokens), w13, offs)
-    expert_out = _grouped(_native.silu_and_mul(gate_up), w2, offs)
+    expert_out = _grouped(silu_and_mul(gate_up), w2, offs)
     out = torch.zeros(num_tokens, hidden.shape[1], dtype=torch.float32, device=hidden.device)
     out.index_add_(0, tokens, expert_out.float() * weights[order, None])
     return out.to(hidden.dtype)

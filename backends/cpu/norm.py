@@ -1,4 +1,4 @@
-"""Fused RMSNorm, residual add + RMSNorm, SwiGLU and rotary embedding: one native pass each."""
+"""Fused RMSNorm, residual add + RMSNorm and rotary embedding: one native pass each."""
 
 from __future__ import annotations
 
@@ -18,11 +18,6 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
 @OPS.implement
 def add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
     return _native.add_rms_norm(x, residual, weight, eps)
-
-
-@OPS.implement
-def silu_and_mul(x: Tensor) -> Tensor:
-    return _native.silu_and_mul(x)
 
 
 @OPS.implement

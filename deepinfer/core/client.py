@@ -318,7 +318,7 @@ class EngineClient:
                 total.prefix_queries + s.prefix_queries,
                 total.prefix_hits + s.prefix_hits,
                 m.SpecCounts(*(a + b for a, b in zip(_fields(total.spec), _fields(s.spec)))),
-                combined_load(total.load, s.load),
+                load=combined_load(total.load, s.load),
             )
         return total
 

@@ -219,6 +219,7 @@ class EngineCore:
                 spec.emitted_tokens,
                 spec.request_steps,
             ),
+            kv_store=e.kv_store_stats(),
             load=engine_load(e, self._busy_s),
         )
 

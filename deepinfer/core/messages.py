@@ -80,6 +80,7 @@ class EngineStats(msgspec.Struct, array_like=True, frozen=True):
     prefix_queries: int = 0  # prompt tokens looked up in the prefix cache, since start
     prefix_hits: int = 0  # of which found
     spec: SpecCounts = SpecCounts()
+    kv_store: dict | None = None  # KV store counters (deepinfer.kvstore.metrics); None when off
     load: EngineLoad = EngineLoad()  # what routers see (GET /load)
 
     @property

@@ -40,6 +40,7 @@ from deepinfer.text_input import require_valid_text
 from deepinfer.tokenizer import Tokenizer
 from deepinfer.worker import calibration
 from deepinfer.worker.graphs import DecodeGraphs
+from deepinfer.worker.inputs import InputBuilder
 from deepinfer.worker.model_runner import ModelRunner, RunnerOutput
 from deepinfer.worker.spec_decode import ConfidenceHead, MTPProposer
 
@@ -97,16 +98,15 @@ class LLMEngine:
                 for tensor in layer:
                     tensor.zero_()  # padding rows read the reserved block: keep it finite
         self.kv_cache = KVCacheManager(num_blocks, self.cache_spec.block_size, config.enable_prefix_caching)
-        self.runner = ModelRunner(
-            self.model,
-            self.kv_caches,
-            self.cache_spec.block_size,
-            self.device,
-            self.eos_token_ids,
-            self.platform.synchronize,
+        self.structured = StructuredOutputs(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
+        inputs = InputBuilder(self.cache_spec.block_size, self.device, 1 + self.num_draft_tokens)
+        proposer = (
+            MTPProposer(self.model, self.kv_caches, inputs, self.num_draft_tokens, confidence)
+            if self.num_draft_tokens
+            else None
         )
-        if config.graph_capture:
-            self.runner.graphs = DecodeGraphs(
+        graphs = (
+            DecodeGraphs(
                 self.model,
                 self.kv_caches,
                 self.platform.graph,
@@ -117,13 +117,21 @@ class LLMEngine:
                 self.device,
                 active_ops().graph_session,
             )
-        self.structured = StructuredOutputs(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
-        self.runner.structured = self.structured
-        if self.num_draft_tokens:
-            self.runner.decode_query_len = 1 + self.num_draft_tokens
-            self.runner.proposer = MTPProposer(
-                self.model, self.kv_caches, self.runner.prepare, self.num_draft_tokens, confidence
-            )
+            if config.graph_capture
+            else None
+        )
+        self.kv_connector = self._kv_store(folder, tokenizer_dir) if config.kv_store is not None else None
+        self.runner = ModelRunner(
+            self.model,
+            self.kv_caches,
+            inputs,
+            self.eos_token_ids,
+            self.platform.synchronize,
+            structured=self.structured,
+            proposer=proposer,
+            graphs=graphs,
+            kv_connector=self.kv_connector,
+        )
         self.spec_stats = SpecDecodeStats()
         self.cost_model = self._cost_model() if config.step_time_budget_ms else None
         budget = config.max_num_batched_tokens
@@ -138,6 +146,7 @@ class LLMEngine:
             ),
             self.kv_cache,
             self.cost_model,
+            self.kv_connector,
         )
         self.outputs = OutputProcessor(self.tokenizer, config.detokenize)
         self._rng = random.Random(config.seed)
@@ -166,6 +175,32 @@ class LLMEngine:
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             ids.add(self.tokenizer.eos_token_id)
         return frozenset(ids)
+
+    def _kv_store(self, folder: Path, tokenizer_dir: Path):
+        """The KV store connector (deepinfer/kvstore), passed to the runner."""
+        from deepinfer.kvstore.connector import StoreConnector
+
+        if not self.config.enable_prefix_caching:
+            raise ValueError(
+                "kv_store needs enable_prefix_caching=True (blocks are named by their prefix hash)"
+            )
+        c = self.model_config
+        connector = StoreConnector(
+            self.config.kv_store,
+            self.kv_caches,
+            self.cache_spec,
+            [c.window_of(i) for i in range(c.num_hidden_layers)],
+            folder,
+            tokenizer_dir,
+            self.kv_cache.pool,
+            pin_memory=self.platform.device_type != "cpu",
+            synchronize=self.platform.synchronize,
+        )
+        return connector
+
+    def kv_store_stats(self) -> dict | None:
+        """The KV store's counters as plain data (``deepinfer.kvstore.metrics``); None when it is off."""
+        return self.kv_connector.stats() if self.kv_connector is not None else None
 
     def _speculation(self) -> tuple[int, tuple[ConfidenceHead, float] | None]:
         """Drafts per request per step (0: speculative decoding off) and, for mtp-confidence, the
@@ -276,6 +311,8 @@ class LLMEngine:
             prompt_token_ids = self.tokenizer.encode(require_valid_text(prompt, "prompt"))
         prompt_token_ids = list(prompt_token_ids)
         self._validate_prompt(prompt_token_ids)
+        if self.kv_connector is not None:
+            self.kv_connector.check_class(params.traffic_class)
         room = self.max_model_len - len(prompt_token_ids)
         if params.max_tokens is not None and params.max_tokens > room:
             raise ValueError(
@@ -350,6 +387,8 @@ class LLMEngine:
             return self._step_async()
         scheduled = self.scheduler.schedule()
         if scheduled.is_empty:
+            if self.kv_connector is not None:
+                self.kv_connector.idle_wait()  # nothing runs: wait a moment for a KV-store load
             return []
         return self._apply(scheduled, self._execute(scheduled))
 

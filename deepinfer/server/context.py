@@ -33,6 +33,11 @@ class ApiFields:
         return self.max_tokens if name == "max_tokens" else self.renamed.get(name, name)
 
 
+def traffic_class(body: Any, request: Any) -> str | None:
+    """The KV store traffic class: the body's ``traffic_class``, else the X-DeepInfer-Traffic-Class header."""
+    return body.traffic_class or request.headers.get("x-deepinfer-traffic-class")
+
+
 class ServingContext:
     """What every route needs (see the module docstring). ``draining``: the server is shutting
     down; new requests get 503 with Retry-After."""

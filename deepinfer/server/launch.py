@@ -12,6 +12,7 @@ import argparse
 import asyncio
 import os
 import socket
+import sys
 from pathlib import Path
 
 from deepinfer import envs
@@ -47,7 +48,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         default=_default(ServerConfig, "host"),
         help="address to listen on (0.0.0.0: every interface; then set an API key)",
     )
-    parser.add_argument("--port", type=port_number, default=_default(ServerConfig, "port"))
+    parser.add_argument(
+        "--port", type=port_number, default=_default(ServerConfig, "port"), help="TCP port (0: any free one)"
+    )
     parser.add_argument(
         "--api-key", help="require this key from clients (default: DEEPINFER_API_KEY; unset: no key needed)"
     )
@@ -108,7 +111,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help="seconds a request body may take to arrive (then 408)",
     )
     parser.add_argument("--accelerator", help="cpu | nvidia | ascend | auto (default: DEEPINFER_ACCELERATOR)")
-    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    parser.add_argument(
+        "--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"], help="weights' dtype"
+    )
     parser.add_argument("--kv-cache-memory-gib", type=float, help="KV-cache size (default: most free memory)")
     parser.add_argument("--max-num-batched-tokens", type=int, help="token budget of one engine step")
     parser.add_argument(
@@ -145,11 +150,14 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "--log-level",
         default=_default(ServerConfig, "log_level"),
         choices=["debug", "info", "warning", "error"],
+        help="log level of the HTTP server",
     )
 
 
 def engine_config(args: argparse.Namespace, model: Path) -> EngineConfig:
     """The core's EngineConfig from ``deepinfer serve`` arguments (text is made by the front)."""
+    from deepinfer.kvstore.cli import config_from_args as kvstore_config_from_args
+
     options = {
         "max_model_len": args.max_model_len,
         "max_num_seqs": args.max_num_seqs,
@@ -162,6 +170,7 @@ def engine_config(args: argparse.Namespace, model: Path) -> EngineConfig:
         "num_draft_tokens": args.num_draft_tokens,
         "step_time_budget_ms": args.step_time_budget_ms,
         "async_scheduling": args.async_scheduling or None,
+        "kv_store": kvstore_config_from_args(args),
     }
     return EngineConfig(
         model=str(model), detokenize=False, **{k: v for k, v in options.items() if v is not None}
@@ -225,6 +234,12 @@ def serve(args: argparse.Namespace) -> int:
         raise ValueError(f"--model {model}: not a model folder (no config.json)")
     engine = engine_config(args, model)
     config = server_config(args, model)
+    if config.api_key is None and not config.loopback:
+        print(
+            f"deepinfer serve: warning: listening on {config.host} without an API key: anyone who can reach "
+            "this address can use the model (set --api-key or DEEPINFER_API_KEY)",
+            file=sys.stderr,
+        )
     try:
         sock = bind(config.host, config.port)
     except OSError as exc:
@@ -243,19 +258,11 @@ def _serve(
 
     from deepinfer.core.client import EngineClient
     from deepinfer.core.launch import CoreProcess, CoreSpec
-    from deepinfer.logger import get_logger
     from deepinfer.router.worker import Registration, advertised_url, worker_role
     from deepinfer.server.app import build_app
     from deepinfer.server.runner import IdleTimeoutH11Protocol, Server, run
     from deepinfer.tokenizer import Tokenizer
 
-    logger = get_logger("deepinfer.serve")
-    if config.api_key is None and not config.loopback:
-        logger.warning(
-            "listening on %s without an API key: anyone who can reach this address can use the model "
-            "(set --api-key or DEEPINFER_API_KEY)",
-            config.host,
-        )
     tokenizer_dir = Path(engine.tokenizer or engine.model)
     tokenizer = Tokenizer(tokenizer_dir) if (tokenizer_dir / "tokenizer.json").is_file() else None
     front = os.getpid()

@@ -20,6 +20,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from deepinfer.server.errors import ApiError, dialect_of
 from deepinfer.server.validation import lone_surrogate
+from deepinfer.text_input import InvalidTextError, require_valid_text
 
 PROTECTED_PREFIXES = ("/v1/", "/docs", "/redoc", "/openapi.json")
 
@@ -94,13 +95,11 @@ class RequestGuard:
                 body = b"".join(chunks)
                 found = lone_surrogate(body)
                 if found is not None:
-                    path, char = found
-                    raise ApiError(
-                        400,
-                        f"{path}: the text contains a lone surrogate ({char}), which is not valid Unicode; "
-                        "send UTF-8 text (a surrogate escape must be half of a pair)",
-                        param=path,
-                    )
+                    path, text = found
+                    try:
+                        require_valid_text(text, path)
+                    except InvalidTextError as exc:
+                        raise ApiError(400, str(exc), param=path) from None
                 return _replay([{"type": "http.request", "body": body, "more_body": False}], receive)
 
 

@@ -20,8 +20,9 @@ _LONE_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 def lone_surrogate(body: bytes) -> tuple[str, str] | None:
-    """``(field path, the surrogate as \\uXXXX)`` of the first string in a JSON body holding a lone
-    surrogate, or ``None``. Cheap for bodies without surrogate escapes (one regex scan)."""
+    """``(field path, text)`` of the first string (or key) in a JSON body that holds a lone
+    surrogate, or ``None``. Cheap for bodies without surrogate escapes (one regex scan). The caller
+    reports it with ``deepinfer.text_input.require_valid_text``."""
     if SURROGATE_ESCAPE.search(body) is None:
         return None
     try:
@@ -33,12 +34,11 @@ def lone_surrogate(body: bytes) -> tuple[str, str] | None:
 
 def _find(value: Any, path: list[str | int]) -> tuple[str, str] | None:
     if isinstance(value, str):
-        found = _LONE_SURROGATE.search(value)
-        return (field_path(path) or "body", f"\\u{ord(found.group()):04x}") if found else None
+        return (field_path(path) or "body", value) if _LONE_SURROGATE.search(value) else None
     items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
     for key, item in items:
         if isinstance(key, str) and _LONE_SURROGATE.search(key):
-            return field_path(path) or "body", f"\\u{ord(_LONE_SURROGATE.search(key).group()):04x}"
+            return field_path(path) or "body", key
         found = _find(item, [*path, key])
         if found is not None:
             return found

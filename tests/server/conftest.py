@@ -33,7 +33,7 @@ from deepinfer.engine.llm_engine import LLMEngine
 from deepinfer.server.app import build_app
 from deepinfer.server.config import ServerConfig
 from deepinfer.server.launch import bind
-from deepinfer.server.runner import Server, run
+from deepinfer.server.runner import IdleTimeoutH11Protocol, Server, run
 from deepinfer.worker.model_runner import RunnerOutput
 from tests.model.hf_models import make_hf_checkpoint
 from tests.recipe.deepseek_tokenizer import write_deepseek_tokenizer
@@ -182,7 +182,11 @@ def start_server(
     )
     app = build_app(client, server_config, llm_engine.tokenizer)
     uv_config = uvicorn.Config(
-        app, log_level="warning", lifespan="off", timeout_keep_alive=server_config.timeout_keep_alive_s
+        app,
+        log_level="warning",
+        lifespan="off",
+        http=IdleTimeoutH11Protocol,
+        timeout_keep_alive=server_config.timeout_keep_alive_s,
     )
     server = Server(uv_config, app.state.serving, server_config.drain_timeout_s)
     sock = bind("127.0.0.1", 0)

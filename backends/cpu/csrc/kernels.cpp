@@ -13,6 +13,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <vector>
 
@@ -30,6 +31,31 @@ template <typename T>
 inline void store_row(const float* src, T* dst, int64_t n) {
 #pragma omp simd
   for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<T>(src[i]);
+}
+
+// exp(x) for float32, written so that loops over it vectorise (std::exp does not without -ffast-math):
+// x = n ln2 + f ln2 with |f| <= 1/2, 2^f by its Taylor series to degree 7 (relative error < 1e-7),
+// 2^n by building the exponent bits. Below -87.3 (where expf underflows to denormals) it returns 0.
+inline float fast_exp(float x) {
+  constexpr float kRound = 12582912.f;  // 1.5 * 2^23: adding it rounds to an integer in the low bits
+  const float t = std::max(-88.f, std::min(x, 88.f)) * 1.44269504088896341f;
+  const float shifted = t + kRound;
+  const float n = shifted - kRound;
+  const float f = (t - n) * 0.693147180559945309f;
+  float p = 1.f / 5040.f;
+  p = p * f + 1.f / 720.f;
+  p = p * f + 1.f / 120.f;
+  p = p * f + 1.f / 24.f;
+  p = p * f + 1.f / 6.f;
+  p = p * f + 0.5f;
+  p = p * f + 1.f;
+  p = p * f + 1.f;
+  int32_t bits;
+  std::memcpy(&bits, &shifted, sizeof(bits));
+  bits = (bits - 0x4B400000 + 127) << 23;  // 2^n from the rounded integer n
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return x < -87.3f ? 0.f : p * scale;
 }
 
 inline float dot(const float* a, const float* b, int64_t n) {
@@ -188,8 +214,9 @@ void mla_decode_impl(const at::Tensor& q, const at::Tensor& cache, const at::Ten
           const float m_new = std::max(m[row], block_max);
           const float alpha = std::exp(m[row] - m_new);  // 0 when m was -inf
           float lsum = l[row] * alpha;
-          for (int64_t r = 0; r < cnt; ++r) {
-            sc[r] = std::exp(sc[r] - m_new);  // exp(-inf) = 0 for hidden keys
+#pragma omp simd reduction(+ : lsum)
+          for (int64_t r = 0; r < kTile; ++r) {
+            sc[r] = fast_exp(sc[r] - m_new);  // 0 for hidden keys (-inf) and for the padding past cnt
             lsum += sc[r];
           }
           l[row] = lsum;
@@ -362,34 +389,6 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::T
 }
 
 template <typename T>
-void silu_rows(const T* xp, T* op, int64_t rows, int64_t half) {
-  at::parallel_for(0, rows, grain_for(2 * half), [&](int64_t first, int64_t last) {
-    std::vector<float> g(half), u(half);
-    for (int64_t r = first; r < last; ++r) {
-      load_row(xp + r * 2 * half, g.data(), half);
-      load_row(xp + r * 2 * half + half, u.data(), half);
-#pragma omp simd
-      for (int64_t i = 0; i < half; ++i) g[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
-      store_row(g.data(), op + r * half, half);
-    }
-  });
-}
-
-at::Tensor silu_and_mul(const at::Tensor& x) {
-  const int64_t width = x.size(-1);
-  TORCH_CHECK(width % 2 == 0, "silu_and_mul: last dimension must be even, got ", width);
-  const int64_t half = width / 2, rows = x.numel() / std::max<int64_t>(1, width);
-  const at::Tensor xc = x.contiguous();
-  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
-  shape.back() = half;
-  at::Tensor out = at::empty(shape, x.options());
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "silu_and_mul", [&] {
-    silu_rows(xc.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), rows, half);
-  });
-  return out;
-}
-
-template <typename T>
 inline void rotate(const T* src, T* dst, const float* cs, int64_t rope, bool interleaved) {
   const int64_t half = rope / 2;
   for (int64_t i = 0; i < half; ++i) {
@@ -442,7 +441,6 @@ TORCH_LIBRARY(deepinfer_cpu, m) {
   m.def("kv_cache_write(Tensor kv_c, Tensor k_pe, Tensor(a!) cache, Tensor slot_mapping) -> ()");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)");
-  m.def("silu_and_mul(Tensor x) -> Tensor");
   m.def("rope(Tensor q, Tensor k, Tensor positions, Tensor cos_sin_cache, bool interleaved) -> (Tensor, Tensor)");
 }
 
@@ -451,6 +449,5 @@ TORCH_LIBRARY_IMPL(deepinfer_cpu, CPU, m) {
   m.impl("kv_cache_write", &kv_cache_write);
   m.impl("rms_norm", &rms_norm);
   m.impl("add_rms_norm", &add_rms_norm);
-  m.impl("silu_and_mul", &silu_and_mul);
   m.impl("rope", &rope);
 }

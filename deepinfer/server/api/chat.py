@@ -31,7 +31,7 @@ from deepinfer.server.api.common import (
     respond,
 )
 from deepinfer.server.api.logprobs import chat_logprobs
-from deepinfer.server.context import ApiFields
+from deepinfer.server.context import ApiFields, traffic_class
 from deepinfer.server.errors import ApiError, Dialect
 from deepinfer.server.generation import ChatRun, ChoiceUpdate, Finish, FinishReason, Usage
 from deepinfer.server.protocol import chat as p
@@ -135,6 +135,7 @@ async def create_chat_completion(body: p.ChatCompletionRequest, request: Request
             "logprobs": top_logprobs if body.logprobs else None,
             "json_schema": _output_schema(body, thinking, tools),
             "grammar": forced_tool_grammar(ctx, tools, choice, thinking, CHAT_FIELDS),
+            "traffic_class": traffic_class(body, request),
         },
         fields,
     )

@@ -12,7 +12,7 @@ from fastapi.responses import Response
 from deepinfer.recipe import BlockDelta
 from deepinfer.server.api.common import Serving, new_id, openai_usage, respond
 from deepinfer.server.api.logprobs import completion_logprobs
-from deepinfer.server.context import ApiFields, ServingContext
+from deepinfer.server.context import ApiFields, ServingContext, traffic_class
 from deepinfer.server.errors import ApiError, Dialect
 from deepinfer.server.generation import ChoiceUpdate, FinishReason, RunGroup, TextRun, Usage, total_usage
 from deepinfer.server.protocol import completions as p
@@ -74,7 +74,13 @@ async def create_completion(body: p.CompletionRequest, request: Request, ctx: Se
     ctx.check_admitting()
     _refuse_unsupported(body)
     params = ctx.sampling_params(
-        {**body.sampling_values(), "max_tokens": body.max_tokens, "logprobs": body.logprobs}, FIELDS
+        {
+            **body.sampling_values(),
+            "max_tokens": body.max_tokens,
+            "logprobs": body.logprobs,
+            "traffic_class": traffic_class(body, request),
+        },
+        FIELDS,
     )
     prompts = await tokenize_prompts(ctx, body.prompt)
     runs: list[TextRun] = []

@@ -36,7 +36,7 @@ from deepinfer.server.api.common import (
     offered_tools,
     respond,
 )
-from deepinfer.server.context import ApiFields
+from deepinfer.server.context import ApiFields, traffic_class
 from deepinfer.server.errors import ApiError, Dialect
 from deepinfer.server.generation import ChatRun, ChoiceUpdate, Finish, FinishReason, Usage
 from deepinfer.server.protocol import messages as p
@@ -170,6 +170,7 @@ async def create_message(body: p.MessagesRequest, request: Request, ctx: Serving
             "stop": body.stop_sequences,
             "max_tokens": body.max_tokens,
             "grammar": forced_tool_grammar(ctx, tools, choice, thinking, CHAT_FIELDS),
+            "traffic_class": traffic_class(body, request),
         },
         FIELDS,
     )

@@ -37,7 +37,7 @@ from deepinfer.server.api.common import (
     output_schema,
     respond,
 )
-from deepinfer.server.context import ApiFields
+from deepinfer.server.context import ApiFields, traffic_class
 from deepinfer.server.errors import ApiError, Dialect
 from deepinfer.server.generation import ChatRun, ChoiceUpdate, FinishReason, Usage
 from deepinfer.server.protocol import responses as p
@@ -124,6 +124,7 @@ async def create_response(body: p.ResponsesRequest, request: Request, ctx: Servi
             "max_tokens": body.max_output_tokens,
             "json_schema": schema,
             "grammar": forced_tool_grammar(ctx, tools, choice, thinking, CHAT_FIELDS),
+            "traffic_class": traffic_class(body, request),
         },
         FIELDS,
     )
