@@ -270,6 +270,8 @@ def bench(args: argparse.Namespace) -> int:
     if args.bench == "serve":
         result = _bench_serve(args, model, workload, options)
         summary = _serve_summary(args, result)
+        if "balance" in result:
+            summary += f"; balance {result['balance']['balance']:.2f}, busy s {result['balance']['busy_s']}"
     elif args.bench == "peer":
         from deepinfer.bench.peer import compare
 
@@ -352,6 +354,9 @@ def _bench_serve(args: argparse.Namespace, model: str, workload, options: dict) 
         server_args.append("--async-scheduling")
     name = args.served_model_name or Path(model).name
     with launch(model, server_args) if args.url is None else contextlib.nullcontext(args.url) as url:
+        from deepinfer.router.measure import BusyMeter
+
+        meter = BusyMeter.attach(url) if args.url else None  # a router: per-worker busy time and balance
         if args.compare_offline:
             from deepinfer.llm import LLM
 
@@ -365,6 +370,10 @@ def _bench_serve(args: argparse.Namespace, model: str, workload, options: dict) 
                 run_load(
                     url, name, prompts, workload.output_len, args.request_rate, args.max_seconds, args.seed
                 )
+            )
+        if meter is not None and "requests" in result:
+            result["balance"] = meter.finish(
+                [(len(p), workload.output_len) for p in prompts[: result["requests"]]]
             )
     result.update(workload=workload.describe(), server_args=server_args, model=model)
     return result
@@ -385,12 +394,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     kvstore_cli.add_kvstore_args(
         sub.add_parser("kvstore", help="inspect, verify and clean a KV store directory")
     )
+    from deepinfer.router import cli as router_cli  # argparse only: no server imports yet
     from deepinfer.sim.cli import add_plan_arguments  # argparse only: the planner imports nothing yet
 
     add_plan_arguments(sub.add_parser("plan", help="cluster simulator: capacity and cost planner, scenarios"))
+    router_cli.add_router_arguments(
+        sub.add_parser("router", help="route requests over prefill/decode/both workers")
+    )
+    router_cli.add_cluster_arguments(sub.add_parser("cluster", help="a local cluster: workers and a router"))
     args = parser.parse_args(argv)
     if args.command == "kvstore":
         return kvstore_cli.run_kvstore(args)
+    if args.command in ("router", "cluster"):
+        return router_cli.run_router(args) if args.command == "router" else router_cli.run_cluster(args)
     reexec_with_malloc_tuning()
     if args.command == "run":
         return run(args)

@@ -35,6 +35,7 @@ from deepinfer.core.launch import CoreHandle
 from deepinfer.engine.detokenizer import IncrementalDetokenizer
 from deepinfer.logger import get_logger
 from deepinfer.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from deepinfer.router.load import combined_load
 from deepinfer.sampling_params import SamplingParams
 from deepinfer.tokenizer import Tokenizer
 
@@ -317,6 +318,7 @@ class EngineClient:
                 total.prefix_queries + s.prefix_queries,
                 total.prefix_hits + s.prefix_hits,
                 m.SpecCounts(*(a + b for a, b in zip(_fields(total.spec), _fields(s.spec)))),
+                load=combined_load(total.load, s.load),
             )
         return total
 

@@ -23,6 +23,7 @@ import zmq
 
 from deepinfer.core import messages as m
 from deepinfer.logger import get_logger
+from deepinfer.router.load import CostModel, engine_load, kv_layout_fingerprint, step_cost_model
 from deepinfer.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -48,6 +49,7 @@ class EngineCore:
         self._ended: dict[str, list[bool]] = {}  # request id -> finish sent, per completion
         self._unscheduled: dict[str, None] = {}  # admitted, not yet scheduled (ordered set)
         self._scheduled_at: dict[str, float] = {}
+        self._busy_s = 0.0  # time in engine steps since start (reported to routers)
 
     def serve(self) -> None:
         """Run until told to shut down or orphaned; raises after a fatal engine error."""
@@ -80,6 +82,9 @@ class EngineCore:
             num_kv_blocks=e.kv_cache.pool.num_blocks,
             block_size=e.cache_spec.block_size,
             description=f"{e.platform.describe()}, {str(e.dtype).removeprefix('torch.')}",
+            node_role=e.platform.node_role.value,
+            kv_layout=kv_layout_fingerprint(e),
+            cost_model=CostModel.of(step_cost_model(e)),
         )
 
     # ------------------------------------------------------------------ the loop
@@ -159,7 +164,9 @@ class EngineCore:
 
     def _step(self) -> list[m.RequestDelta]:
         started = time.monotonic()
-        return self._deltas(self.engine.step(), started)
+        outputs = self.engine.step()
+        self._busy_s += time.monotonic() - started
+        return self._deltas(outputs, started)
 
     def _deltas(self, outputs: list[RequestOutput], started: float) -> list[m.RequestDelta]:
         """The token deltas of a step's outputs (``started``: when the step began)."""
@@ -217,6 +224,7 @@ class EngineCore:
                 spec.request_steps,
             ),
             kv_store=e.kv_store_stats(),
+            load=engine_load(e, self._busy_s),
         )
 
 

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import msgspec
 
+from deepinfer.router.load import CostModel, EngineLoad
+
 
 class AddRequest(msgspec.Struct, tag=True, frozen=True):
     """Admit one request (``params_json``: ``SamplingParams.model_dump_json()``). The core answers
@@ -49,6 +51,9 @@ class Ready(msgspec.Struct, tag=True, frozen=True):
     num_kv_blocks: int
     block_size: int
     description: str  # platform, dtype, for the startup banner
+    node_role: str = "both"  # the platform's node role: a worker's default role
+    kv_layout: str = ""  # KV layout fingerprint (deepinfer.router.load)
+    cost_model: CostModel | None = None  # the step cost model routers predict this core's work with
 
 
 class SpecCounts(msgspec.Struct, array_like=True, frozen=True):
@@ -76,6 +81,7 @@ class EngineStats(msgspec.Struct, array_like=True, frozen=True):
     prefix_hits: int = 0  # of which found
     spec: SpecCounts = SpecCounts()
     kv_store: dict | None = None  # KV store counters (deepinfer.kvstore.metrics); None when off
+    load: EngineLoad = EngineLoad()  # what routers see (GET /load)
 
     @property
     def kv_cache_usage(self) -> float:

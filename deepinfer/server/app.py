@@ -12,6 +12,7 @@ from fastapi.openapi.utils import get_openapi
 
 from deepinfer import __version__
 from deepinfer.core.client import EngineClient
+from deepinfer.router import worker as router_worker
 from deepinfer.server.api import chat, completions, messages, ops, responses
 from deepinfer.server.config import ServerConfig
 from deepinfer.server.context import ServingContext
@@ -41,8 +42,9 @@ def build_app(client: EngineClient, config: ServerConfig, tokenizer: Tokenizer |
         lifespan=lifespan,
     )
     app.state.serving = ServingContext(client, config, metrics, tokenizer)
-    for api in (chat, completions, responses, messages, ops):
+    for api in (chat, completions, responses, messages, ops, router_worker):
         app.include_router(api.router)
+    router_worker.role_gauge(metrics.registry, app.state.serving)
     install_error_handlers(app)
     app.add_middleware(
         RequestGuard,

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from deepinfer.router.roles import Role
+
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 
 
@@ -40,6 +42,12 @@ class ServerConfig(BaseModel):
     timeout_keep_alive_s: float = Field(5.0, gt=0, description="close connections idle this long")
     body_timeout_s: float = Field(30.0, gt=0, description="a request body must arrive within this time: 408")
     log_level: str = "info"
+    role: Role | None = Field(
+        None, description="what routers send this worker; None: the platform's node role"
+    )
+    model_fingerprint: str = Field(
+        "", description="of the model folder's config and tokenizer (routers check it)"
+    )
 
     @property
     def loopback(self) -> bool:

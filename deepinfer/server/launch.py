@@ -142,6 +142,14 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
 
     add_parallel_arguments(parser)
     parser.add_argument(
+        "--role",
+        choices=["prefill", "decode", "both"],
+        help="what routers send this worker (default: the platform's node role: 950PR prefill, 950DT decode, others both)",
+    )
+    parser.add_argument(
+        "--register-with", metavar="URL", help="register with the router at URL (and keep doing so)"
+    )
+    parser.add_argument(
         "--log-level",
         default=_default(ServerConfig, "log_level"),
         choices=["debug", "info", "warning", "error"],
@@ -176,6 +184,8 @@ def engine_config(args: argparse.Namespace, model: Path) -> EngineConfig:
 
 
 def server_config(args: argparse.Namespace, model: Path) -> ServerConfig:
+    from deepinfer.router.load import model_fingerprint  # numpy: not on the --help path
+
     if args.api_key is not None:
         api_key = args.api_key
         if not api_key:
@@ -201,6 +211,8 @@ def server_config(args: argparse.Namespace, model: Path) -> ServerConfig:
         timeout_keep_alive_s=args.timeout_keep_alive,
         body_timeout_s=args.body_timeout,
         log_level=args.log_level,
+        role=args.role,
+        model_fingerprint=model_fingerprint(model),
     )
 
 
@@ -242,14 +254,21 @@ def serve(args: argparse.Namespace) -> int:
         sock = bind(config.host, config.port)
     except OSError as exc:
         raise ValueError(f"cannot listen on {config.host}:{config.port}: {exc.strerror or exc}") from None
-    return _serve(model, engine, config, sock)
+    return _serve(model, engine, config, sock, args.register_with)
 
 
-def _serve(model: Path, engine: EngineConfig, config: ServerConfig, sock: socket.socket) -> int:
+def _serve(
+    model: Path,
+    engine: EngineConfig,
+    config: ServerConfig,
+    sock: socket.socket,
+    register_with: str | None = None,
+) -> int:
     import uvicorn
 
     from deepinfer.core.client import EngineClient
     from deepinfer.core.launch import CoreProcess, CoreSpec
+    from deepinfer.router.worker import Registration, advertised_url, worker_role
     from deepinfer.server.app import build_app
     from deepinfer.server.runner import IdleTimeoutH11Protocol, Server, run
     from deepinfer.tokenizer import Tokenizer
@@ -285,9 +304,12 @@ def _serve(model: Path, engine: EngineConfig, config: ServerConfig, sock: socket
         info = client.info
         auth = "on (clients send the API key)" if config.api_key else "off (no API key)"
         return (
-            f"deepinfer serve: model {config.served_model_name!r} at http://{host}:{port}/v1 | auth {auth} | "
+            f"deepinfer serve: model {config.served_model_name!r} at http://{host}:{port}/v1 | "
+            f"role {worker_role(app.state.serving).value} | auth {auth} | "
             f"engine core pid {info.pid}: {info.description}, context {info.max_model_len}, "
             f"{info.num_kv_blocks} KV blocks of {info.block_size} tokens"
         )
 
+    if register_with:
+        Registration(register_with, advertised_url(config.host, port)).start()
     return asyncio.run(run(server, client, [sock], banner))

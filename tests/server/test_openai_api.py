@@ -244,7 +244,8 @@ def test_responses_truncated_by_max_output_tokens(server: ServerHandle, openai_c
 def test_models_health_and_metrics(server: ServerHandle, openai_client: openai.OpenAI) -> None:
     (model,) = openai_client.models.list().data
     assert model.id == MODEL_NAME
-    assert httpx.get(f"{server.url}/health").json() == {"status": "ok"}
+    health = httpx.get(f"{server.url}/health").json()
+    assert (health["status"], health["role"]) == ("ok", "both")
     metrics = httpx.get(f"{server.url}/metrics").text
     for name in (
         "deepinfer_num_requests_running",

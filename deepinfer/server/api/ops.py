@@ -13,6 +13,7 @@ from typing import Literal
 from fastapi import APIRouter
 from fastapi.responses import JSONResponse, Response
 
+from deepinfer.router.worker import worker_role
 from deepinfer.server.api.common import Serving
 from deepinfer.server.errors import ApiError
 from deepinfer.server.metrics import CONTENT_TYPE
@@ -58,7 +59,8 @@ async def health(ctx: Serving) -> JSONResponse:
     if ctx.draining:
         reason = "the server is shutting down"
     elif client.healthy:
-        return JSONResponse({"status": "ok", "engine_cores": client.core_pids()})
+        role = worker_role(ctx)
+        return JSONResponse({"status": "ok", "role": role.value, "engine_cores": client.core_pids()})
     else:
         reason = client.error or "the engine core is starting"
     return JSONResponse(

@@ -1,0 +1,184 @@
+"""Balance of the router's prefill policies, side by side: estimated compute vs round-robin vs
+least-requests, on the same workers and the same skewed prompt-length workload.
+
+Starts N both-role workers (1 torch thread each) with ``deepinfer.router.cluster``, then for each
+repetition runs every policy in turn (A B C A B C: the machine is shared and noisy) behind a fresh
+``deepinfer router`` process. Each run sends the same prompt lengths (new random tokens per run, so no
+run hits another's prefix cache) as Poisson arrivals of ``/v1/completions`` with a few output tokens,
+so the work is prompt compute. Every request is routed by the prefill policy
+(``--min-disaggregated-tokens 0``). Balance = perfect makespan (LPT, offline, full knowledge) /
+achieved makespan (the busiest worker's busy time), from ``deepinfer.router.measure``. Also reported: the
+placement balance, the same ratio on predicted costs of where each request went (free of the timing
+noise of a shared machine). Prints one line per run, then the medians per policy; ``--out`` writes the
+JSON.
+
+    PYTHONPATH=$PWD .venv/bin/python bench/router_balance.py --out bench/results/router_balance.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+from deepinfer.engine.cost_model import StepCostModel
+from deepinfer.router.balance import balance, request_cost
+from deepinfer.router.cluster import LOOPBACK, free_port, workers_running
+from deepinfer.router.measure import BusyMeter
+from deepinfer.router.proxy import WORKER_HEADER
+
+POLICIES = ("estimated-compute", "round-robin", "least-requests")
+
+
+def skewed_lengths(n: int, low: int, high: int, alpha: float, seed: int) -> list[int]:
+    """Pareto(alpha) prompt lengths from ``low``, clipped at ``high``: most short, a few very long."""
+    rng = random.Random(seed)
+    return [min(high, int(low / (1.0 - rng.random()) ** (1.0 / alpha))) for _ in range(n)]
+
+
+def prompts(lengths: list[int], vocab: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(100, vocab - 100) for _ in range(n)] for n in lengths]
+
+
+async def send(
+    url: str, model: str, batch: list[list[int]], output_len: int, rate: float, seed: int
+) -> list[str | None]:
+    """Send the prompts as Poisson arrivals; the worker that served each (``None``: it failed)."""
+    rng = random.Random(seed)
+    async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=None)) as client:
+
+        async def one(p: list[int]) -> str | None:
+            body = {
+                "model": model,
+                "prompt": p,
+                "max_tokens": output_len,
+                "temperature": 0,
+                "ignore_eos": True,
+            }
+            r = await client.post(f"{url}/v1/completions", json=body)
+            return r.headers.get(WORKER_HEADER) if r.status_code == 200 else None
+
+        tasks = []
+        for p in batch:
+            tasks.append(asyncio.create_task(one(p)))
+            await asyncio.sleep(rng.expovariate(rate))
+        return list(await asyncio.gather(*tasks))
+
+
+def placement(served: list[str | None], lengths: list[int], urls: list[str], model, output_len: int) -> float:
+    """Balance of where the router put the work, by predicted cost (no timing noise): LPT makespan of
+    the predicted costs / the largest predicted cost placed on one worker."""
+    costs = [request_cost(model, n, output_len) for n in lengths]
+    placed = dict.fromkeys(urls, 0.0)
+    for worker, cost in zip(served, costs):
+        if worker is not None:
+            placed[worker] += cost
+    return balance(placed, costs).balance
+
+
+def start_router(urls: list[str], policy: str, model: str | None) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    cmd = [sys.executable, "-m", "deepinfer.cli", "router", "--both", *urls, "--port", str(port), "--prefill-policy",
+           policy, "--min-disaggregated-tokens", "0", "--log-level", "warning", *(["--model", model] if model else [])]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+    url = f"http://{LOOPBACK}:{port}"
+    deadline = time.monotonic() + 60
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the router exited: {proc.stderr.read().decode()[-2000:]}")
+        try:
+            if httpx.get(f"{url}/health", timeout=2).json()["status"] == "ok":
+                return proc, url
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            raise TimeoutError("the router did not start")
+        time.sleep(0.2)
+
+
+def stop(proc: subprocess.Popen) -> None:
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", help="model folder (default: the bundled deepinfer-tiny-coder)")
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--requests", type=int, default=48)
+    parser.add_argument("--min-len", type=int, default=64)
+    parser.add_argument("--max-len", type=int, default=3072)
+    parser.add_argument(
+        "--alpha", type=float, default=1.1, help="Pareto shape of prompt lengths (smaller: more skew)"
+    )
+    parser.add_argument("--output-len", type=int, default=4)
+    parser.add_argument("--rate", type=float, default=16.0, help="arrivals per second")
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", help="write the JSON result here")
+    args = parser.parse_args()
+
+    from deepinfer.model_zoo import default_model_path
+
+    model = str(args.model or default_model_path())
+    vocab = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
+    name = Path(model).name
+    lengths = skewed_lengths(args.requests, args.min_len, args.max_len, args.alpha, args.seed)
+    serve_args = ["--kv-cache-memory-gib", "0.5", "--max-model-len", str(args.max_len + args.output_len + 16)]
+    runs = []
+    with workers_running({"both": args.workers}, model, serve_args, threads=1) as workers:
+        urls = [w.url for w in workers]
+        for rep in range(args.reps):
+            for i, policy in enumerate(POLICIES):
+                proc, url = start_router(urls, policy, args.model)
+                try:
+                    meter = BusyMeter.attach(url)
+                    batch = prompts(lengths, vocab, seed=args.seed + 1000 * rep + i + 1)
+                    started = time.perf_counter()
+                    served = asyncio.run(send(url, name, batch, args.output_len, args.rate, args.seed + rep))
+                    wall = time.perf_counter() - started
+                    result = meter.finish([(n, args.output_len) for n in lengths])
+                    cost_model = StepCostModel(
+                        **httpx.get(f"{url}/router/workers").json()[urls[0]]["cost_model"]
+                    )
+                    placed = placement(served, lengths, urls, cost_model, args.output_len)
+                finally:
+                    stop(proc)
+                ok = sum(w is not None for w in served)
+                run = {"rep": rep, "policy": policy, "completed": ok, "wall_s": wall, "load_avg_1m": os.getloadavg()[0],
+                       **result, "placement_balance": placed}  # fmt: skip
+                runs.append(run)
+                print(f"rep {rep} {policy:>17}: balance {result['balance']:.3f} (placement {placed:.3f}), busy "
+                      f"{sorted(round(v, 2) for v in result['busy_s'].values())} s, {ok}/{len(lengths)} ok, "
+                      f"load {run['load_avg_1m']:.1f}", flush=True)  # fmt: skip
+    summary = {p: statistics.median(r["balance"] for r in runs if r["policy"] == p) for p in POLICIES}
+    placed = {
+        p: statistics.median(r["placement_balance"] for r in runs if r["policy"] == p) for p in POLICIES
+    }
+    for policy, value in summary.items():
+        print(f"median balance {policy:>17}: {value:.3f} (placement {placed[policy]:.3f})")
+    if args.out:
+        out = {"config": vars(args), "prompt_lengths": lengths, "median_balance": summary,
+               "median_placement_balance": placed, "runs": runs}  # fmt: skip
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(out, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,193 @@
+"""``deepinfer router`` and ``deepinfer cluster``: their arguments and entry points (registered in
+``deepinfer.cli``). Bad configuration is one line on stderr naming the option, and exit status 2."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+
+from deepinfer.router.config import RouterConfig
+
+
+def _default(field: str) -> object:
+    return RouterConfig.model_fields[field].default
+
+
+def add_router_options(parser: argparse.ArgumentParser) -> None:
+    """Options shared by ``router`` and ``cluster`` (how requests are routed)."""
+    parser.add_argument("--host", default=_default("host"))
+    parser.add_argument("--port", type=int, default=_default("port"))
+    parser.add_argument(
+        "--model",
+        help="model folder whose tokenizer the router counts prompt tokens with (default: the bundled one)",
+    )
+    parser.add_argument(
+        "--prefill-policy",
+        default=_default("prefill_policy"),
+        choices=["estimated-compute", "least-requests", "round-robin"],
+        help="how the worker for a long prompt is chosen (the others are baselines)",
+    )
+    parser.add_argument(
+        "--min-disaggregated-tokens",
+        type=int,
+        default=_default("min_disaggregated_tokens"),
+        help="prompts shorter than this go straight to a decode-capable worker",
+    )
+    parser.add_argument("--request-timeout-s", type=float, default=_default("request_timeout_s"))
+    parser.add_argument("--first-byte-timeout-s", type=float, default=_default("first_byte_timeout_s"))
+    parser.add_argument("--max-attempts", type=int, default=_default("max_attempts"))
+    parser.add_argument("--poll-interval-s", type=float, default=_default("poll_interval_s"))
+    parser.add_argument("--poll-timeout-s", type=float, default=_default("poll_timeout_s"))
+    parser.add_argument(
+        "--startup-timeout-s",
+        type=float,
+        default=_default("startup_timeout_s"),
+        help="wait this long for workers",
+    )
+    parser.add_argument(
+        "--log-level", default=_default("log_level"), choices=["debug", "info", "warning", "error"]
+    )
+
+
+def add_router_arguments(parser: argparse.ArgumentParser) -> None:
+    for role in ("prefill", "decode", "both"):
+        parser.add_argument(
+            f"--{role}", nargs="+", default=[], metavar="URL", help=f"{role}-role worker URLs"
+        )
+    parser.add_argument(
+        "--accept-registrations",
+        action="store_true",
+        help="start without workers; workers join with deepinfer serve --register-with URL",
+    )
+    add_router_options(parser)
+
+
+def router_config(args: argparse.Namespace, **overrides) -> RouterConfig:
+    """The ``RouterConfig`` of parsed arguments; ``ValueError`` naming the option when invalid."""
+    from pydantic import ValidationError
+
+    values = {
+        "prefill": tuple(getattr(args, "prefill", ()) or ()),
+        "decode": tuple(getattr(args, "decode", ()) or ()),
+        "both": tuple(getattr(args, "both", ()) or ()),
+        "accept_registrations": getattr(args, "accept_registrations", False),
+        "model": args.model,
+        "host": args.host,
+        "port": args.port,
+        "prefill_policy": args.prefill_policy,
+        "min_disaggregated_tokens": args.min_disaggregated_tokens,
+        "request_timeout_s": args.request_timeout_s,
+        "first_byte_timeout_s": args.first_byte_timeout_s,
+        "max_attempts": args.max_attempts,
+        "poll_interval_s": args.poll_interval_s,
+        "poll_timeout_s": args.poll_timeout_s,
+        "startup_timeout_s": args.startup_timeout_s,
+        "log_level": args.log_level,
+        **overrides,
+    }
+    try:
+        config = RouterConfig(**values)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        option = "--" + str(first["loc"][0]).replace("_", "-") if first["loc"] else "the configuration"
+        raise ValueError(f"{option}: {str(first['msg']).removeprefix('Value error, ')}") from None
+    config.workers()  # a URL given twice
+    if not (config.prefill or config.decode or config.both) and not config.accept_registrations:
+        raise ValueError(
+            "no workers: give --prefill, --decode or --both URLs (or --accept-registrations to let workers join)"
+        )
+    if config.prefill and not (config.decode or config.both) and not config.accept_registrations:
+        raise ValueError(
+            "--prefill: prefill workers need a --decode or --both worker to finish their requests"
+        )
+    return config
+
+
+async def check_workers(config: RouterConfig) -> None:
+    """Reach and check every configured worker once (``WorkerRejected`` says which and why)."""
+    from deepinfer.router.app import http_client, make_registry
+    from deepinfer.router.metrics import RouterMetrics
+
+    async with http_client(config) as client:
+        registry = make_registry(config, client, RouterMetrics())
+        await registry.add_configured(config.workers(), config.startup_timeout_s)
+
+
+def serve_router(config: RouterConfig) -> None:
+    """Run the router until interrupted (workers already checked)."""
+    import uvicorn
+
+    from deepinfer.router.app import build_router_app
+
+    print(f"deepinfer router: http://{config.host}:{config.port} ({config.prefill_policy})", flush=True)
+    uvicorn.run(
+        build_router_app(config), host=config.host, port=config.port, log_level=config.log_level,
+        timeout_graceful_shutdown=5,
+    )  # fmt: skip
+
+
+def run_router(args: argparse.Namespace) -> int:
+    from deepinfer.router.registry import WorkerRejected
+
+    try:
+        config = router_config(args)
+        asyncio.run(check_workers(config))
+    except (ValueError, WorkerRejected, FileNotFoundError) as exc:
+        print(f"deepinfer router: {exc}", file=sys.stderr)
+        return 2
+    serve_router(config)
+    return 0
+
+
+def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
+    for role in ("prefill", "decode", "both"):
+        parser.add_argument(
+            f"--{role}", type=int, default=0, metavar="N", help=f"{role}-role workers to start"
+        )
+    parser.add_argument(
+        "--kv-store-path",
+        required=True,
+        help="shared KV store directory (checked to be writable; unused until the prefill->decode handoff exists)",
+    )
+    parser.add_argument("--worker-threads", type=int, help="torch threads per worker (OMP_NUM_THREADS)")
+    parser.add_argument(
+        "--worker-kv-cache-gib",
+        type=float,
+        default=1.0,
+        help="KV cache per worker (they share this host's memory)",
+    )
+    parser.add_argument(
+        "--serve-args", default="", help="extra 'deepinfer serve' options for every worker, as one string"
+    )
+    add_router_options(parser)
+
+
+def run_cluster(args: argparse.Namespace) -> int:
+    import shlex
+
+    from deepinfer.router import cluster
+
+    counts = {"prefill": args.prefill, "decode": args.decode, "both": args.both}
+    try:
+        for role, n in counts.items():
+            if n < 0:
+                raise ValueError(f"--{role}: {n} is not a worker count (>= 0)")
+        if not (args.decode or args.both):
+            raise ValueError("--decode/--both: the cluster needs at least one worker that can decode")
+        if args.worker_kv_cache_gib <= 0:
+            raise ValueError(f"--worker-kv-cache-gib: {args.worker_kv_cache_gib} is not a size (> 0)")
+        if args.worker_threads is not None and args.worker_threads < 1:
+            raise ValueError(f"--worker-threads: {args.worker_threads} is not a thread count (>= 1)")
+        cluster.check_store_path(args.kv_store_path)
+        config = router_config(
+            argparse.Namespace(**{**vars(args), "prefill": [], "decode": [], "both": []}),
+            accept_registrations=True,
+        )
+    except ValueError as exc:
+        print(f"deepinfer cluster: {exc}", file=sys.stderr)
+        return 2
+    serve_args = ["--kv-cache-memory-gib", str(args.worker_kv_cache_gib), *shlex.split(args.serve_args)]
+    return cluster.run_cluster(
+        {r: n for r, n in counts.items() if n}, args.model, serve_args, args.worker_threads, config
+    )

@@ -1,0 +1,62 @@
+"""How the router runs: its workers, policies, timeouts and retries. One validated source of truth for
+``deepinfer router`` and ``deepinfer cluster``."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from deepinfer.router.policies import PolicyName
+
+
+class RouterConfig(BaseModel):
+    """Validated router settings; invalid values raise ``ValueError`` naming the field."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    prefill: tuple[str, ...] = Field((), description="prefill-role worker URLs")
+    decode: tuple[str, ...] = Field((), description="decode-role worker URLs")
+    both: tuple[str, ...] = Field((), description="aggregated (both-role) worker URLs")
+    accept_registrations: bool = Field(
+        False, description="start with no workers and wait for workers to register (--register-with)"
+    )
+    model: str | None = Field(None, description="model folder whose tokenizer counts prompt tokens")
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, le=65535)
+    prefill_policy: PolicyName = Field(
+        "estimated-compute", description="how prefill-capable workers are chosen"
+    )
+    min_disaggregated_tokens: int = Field(
+        512, ge=0, description="prompts shorter than this go straight to a decode-capable worker"
+    )
+    decode_request_weight_tokens: int = Field(
+        256, ge=0, description="decode policy: KV tokens one active request counts as"
+    )
+    poll_interval_s: float = Field(0.25, gt=0, description="load / health poll period per worker")
+    poll_timeout_s: float = Field(2.0, gt=0, description="a load poll slower than this fails")
+    eject_after: int = Field(2, ge=1, description="consecutive failed polls that eject a worker")
+    connect_timeout_s: float = Field(2.0, gt=0, description="connecting to a worker")
+    first_byte_timeout_s: float = Field(
+        60.0, gt=0, description="streaming: a worker that sends no output within this is retried elsewhere"
+    )
+    request_timeout_s: float = Field(600.0, gt=0, description="each request's deadline, retries included")
+    max_attempts: int = Field(3, ge=1, description="workers tried per request")
+    startup_timeout_s: float = Field(30.0, gt=0, description="how long to wait for the workers at startup")
+    log_level: str = "info"
+
+    @field_validator("prefill", "decode", "both")
+    @classmethod
+    def _urls(cls, urls: tuple[str, ...]) -> tuple[str, ...]:
+        for url in urls:
+            if not url.startswith(("http://", "https://")):
+                raise ValueError(f"{url!r} is not an http(s) URL")
+        return tuple(u.rstrip("/") for u in urls)
+
+    def workers(self) -> dict[str, str]:
+        """URL -> the option that named it (for error messages)."""
+        named: dict[str, str] = {}
+        for option, urls in (("--prefill", self.prefill), ("--decode", self.decode), ("--both", self.both)):
+            for url in urls:
+                if url in named:
+                    raise ValueError(f"{option}: {url} is already given with {named[url]}")
+                named[url] = option
+        return named

@@ -1,0 +1,299 @@
+"""One client request through the router: estimate, plan, forward, retry, relay.
+
+The body is forwarded unchanged to the worker the policies chose and its answer is relayed back
+(status, body, or the event stream byte for byte). Each request has a deadline
+(``request_timeout_s``); within it, and up to ``max_attempts`` workers, an attempt that fails before
+the client has received anything moves to another worker: a refused or broken connection (the worker
+is ejected at once), a worker the health checks eject while the attempt waits, no output within
+``first_byte_timeout_s`` (streaming), or a retryable status (429, 502, 503, 504). A non-streaming
+answer is read whole before it is relayed, so it is retried whenever its worker fails. A stream that
+breaks after the client has received output ends with an error event in its API's shape (then
+``[DONE]`` for the OpenAI APIs). Every failure is counted by kind in the router's metrics.
+
+Paths (:func:`~deepinfer.router.policies.plan`): a short prompt goes straight to a decode-capable
+worker; a long one to one worker that does both halves. The two-hop path (prefill worker, KV through
+the store, decode worker) is :mod:`deepinfer.router.handoff`'s protocol; it is taken once workers
+implement it (``handoff_ready``), which they do not yet.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping
+from dataclasses import dataclass, replace
+from typing import TypeVar
+
+import httpx
+from fastapi.responses import Response
+from starlette.datastructures import Headers
+
+from deepinfer.logger import get_logger
+from deepinfer.router.config import RouterConfig
+from deepinfer.router.estimate import estimate_request
+from deepinfer.router.metrics import RouterMetrics
+from deepinfer.router.policies import NoWorker, Policy, RequestInfo, TwoHop, plan
+from deepinfer.router.registry import Registry
+from deepinfer.router.stream import Api, EventSplitter, carries_output, dialect, error_events
+from deepinfer.server.errors import ApiError
+from deepinfer.server.sse import EventStreamResponse
+from deepinfer.tokenizer import Tokenizer
+
+logger = get_logger(__name__)
+T = TypeVar("T")
+RETRYABLE_STATUS = {429, 502, 503, 504}
+HOP_BY_HOP = {"host", "content-length", "connection", "keep-alive", "transfer-encoding", "te", "upgrade"}
+WORKER_HEADER = "x-deepinfer-worker"  # the worker that answered (the last one tried)
+
+
+class _Ejected(Exception):
+    pass
+
+
+@dataclass(slots=True)
+class _Failure:
+    kind: str  # a RouterMetrics failure kind
+    message: str
+    response: Response | None = None  # a worker's own error answer, relayed if nothing else works
+
+
+async def _race(awaitable: Awaitable[T], ejected: asyncio.Event, timeout: float) -> T:
+    """``awaitable``'s result; ``TimeoutError`` after ``timeout``; ``_Ejected`` if ``ejected`` is set first."""
+    task = asyncio.ensure_future(awaitable)
+    waiter = asyncio.ensure_future(ejected.wait())
+    try:
+        done, _ = await asyncio.wait(
+            {task, waiter}, timeout=max(timeout, 0.0), return_when=asyncio.FIRST_COMPLETED
+        )
+        if task in done:
+            return task.result()
+        if waiter in done:
+            raise _Ejected
+        raise TimeoutError
+    finally:
+        for f in (task, waiter):
+            if not f.done():
+                f.cancel()
+        await asyncio.gather(task, waiter, return_exceptions=True)
+
+
+class Proxy:
+    """Routes requests over the registry's workers (see the module docstring)."""
+
+    def __init__(
+        self,
+        config: RouterConfig,
+        registry: Registry,
+        client: httpx.AsyncClient,
+        tokenizer: Tokenizer,
+        prefill: Policy,
+        decode: Policy,
+        metrics: RouterMetrics,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.config = config
+        self.registry = registry
+        self.client = client
+        self.tokenizer = tokenizer
+        self.prefill = prefill
+        self.decode = decode
+        self.metrics = metrics
+        self.clock = clock
+        self.handoff_ready = False  # True once workers implement deepinfer.router.handoff
+        self._closing: set[asyncio.Task] = set()
+
+    async def handle(self, api: Api, path: str, raw: bytes, headers: Headers) -> Response:
+        try:
+            body = json.loads(raw)
+            if not isinstance(body, dict):
+                raise ValueError("the request body must be a JSON object")
+        except ValueError as exc:
+            return ApiError(400, f"the request body is not valid JSON: {exc}").response(dialect(api))
+        info = await asyncio.to_thread(estimate_request, path, body, self.tokenizer)
+        stream = body.get("stream") is True
+        forward = {k: v for k, v in headers.items() if k.lower() not in HOP_BY_HOP}
+        deadline = self.clock() + self.config.request_timeout_s
+        failures: list[tuple[str, _Failure]] = []
+        tried: set[str] = set()
+        route_kind = "none"
+        for attempt in range(self.config.max_attempts):
+            views = [
+                v if v.url not in tried else replace(v, admitted=False) for v in self.registry.book.views()
+            ]
+            try:
+                route = plan(
+                    info,
+                    views,
+                    self.prefill,
+                    self.decode,
+                    self.config.min_disaggregated_tokens,
+                    self.handoff_ready,
+                )
+            except NoWorker as exc:
+                if not failures:
+                    self.metrics.failures.labels(kind="no_worker").inc()
+                    self.metrics.requests.labels(api=api, path="none", outcome="error").inc()
+                    return ApiError(503, f"no worker can serve the request: {exc}").response(dialect(api))
+                break
+            if isinstance(route, TwoHop):
+                raise RuntimeError(
+                    "the two-hop path needs the KV handoff (deepinfer.router.handoff), not built yet"
+                )
+            url, route_kind = route.worker.url, route.reason
+            tried.add(url)
+            if attempt:
+                self.metrics.retries.inc()
+            if self.clock() >= deadline:
+                break
+            result = await self._attempt(
+                api, url, path, raw, forward, stream, info, route.worker.request_cost_s(info), deadline
+            )
+            if isinstance(result, Response):
+                self.metrics.requests.labels(api=api, path=route_kind, outcome="ok").inc()
+                return result
+            self.metrics.failures.labels(kind=result.kind).inc()
+            logger.warning("attempt %d on %s failed (%s): %s", attempt + 1, url, result.kind, result.message)
+            failures.append((url, result))
+        self.metrics.requests.labels(api=api, path=route_kind, outcome="error").inc()
+        return self._give_up(api, failures, deadline)
+
+    def _give_up(self, api: Api, failures: list[tuple[str, _Failure]], deadline: float) -> Response:
+        relayed = [f.response for _, f in failures if f.response is not None]
+        if relayed:
+            return relayed[-1]
+        tried = "; ".join(f"{url}: {f.message}" for url, f in failures) or "no worker tried"
+        if self.clock() >= deadline:
+            self.metrics.failures.labels(kind="deadline").inc()
+            return ApiError(504, f"the request's deadline passed ({tried})").response(dialect(api))
+        return ApiError(503, f"no worker could serve the request ({tried})").response(dialect(api))
+
+    async def _attempt(
+        self,
+        api: Api,
+        url: str,
+        path: str,
+        raw: bytes,
+        headers: Mapping[str, str],
+        stream: bool,
+        info: RequestInfo,
+        cost_s: float,
+        deadline: float,
+    ) -> Response | _Failure:
+        book, rid = self.registry.book, uuid.uuid4().hex
+        ejected = self.registry.ejected(url)
+        book.dispatched(url, rid, cost_s, info.prompt_tokens, self.clock())
+        self.metrics.dispatched.labels(worker=url).inc()
+        request = self.client.build_request("POST", f"{url}{path}", content=raw, headers=headers)
+        response: httpx.Response | None = None
+        handed_over = False
+        try:
+            head_timeout = deadline - self.clock()
+            if stream:
+                head_timeout = min(head_timeout, self.config.first_byte_timeout_s)
+            response = await _race(self.client.send(request, stream=True), ejected, head_timeout)
+            if response.status_code in RETRYABLE_STATUS:
+                body = await _race(response.aread(), ejected, deadline - self.clock())
+                return _Failure(
+                    "worker_status", f"HTTP {response.status_code}", self._relay(response, body, url)
+                )
+            if not stream or not response.headers.get("content-type", "").startswith("text/event-stream"):
+                body = await _race(response.aread(), ejected, deadline - self.clock())
+                return self._relay(response, body, url)
+            opening, chunks = await self._opening(api, response, ejected, deadline)
+            book.prefilled(url, rid, self.clock())
+            handed_over = True
+            events = self._relay_stream(api, url, rid, response, chunks, opening, ejected, deadline)
+            relayed = EventStreamResponse(events, on_close=lambda: self._closed(url, rid, response))
+            relayed.headers[WORKER_HEADER] = url
+            return relayed
+        except _Ejected:
+            return _Failure("ejected", "the worker was ejected while the attempt waited")
+        except TimeoutError:
+            return _Failure("timeout", "no answer in time")
+        except httpx.HTTPError as exc:
+            if isinstance(exc, (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError)):
+                self.registry.eject(url, f"{type(exc).__name__}: {exc}")
+            return _Failure("connect", f"{type(exc).__name__}: {exc}")
+        finally:
+            if not handed_over:
+                book.finished(url, rid, self.clock())
+                if response is not None:
+                    await response.aclose()
+
+    def _closed(self, url: str, rid: str, response: httpx.Response) -> None:
+        """A relayed stream ended, however it ended (also when it never started): idempotent."""
+        self.registry.book.finished(url, rid, self.clock())
+        if not response.is_closed:
+            task = asyncio.get_running_loop().create_task(response.aclose())
+            self._closing.add(task)
+            task.add_done_callback(self._closing.discard)
+
+    @staticmethod
+    def _relay(response: httpx.Response, body: bytes, url: str) -> Response:
+        keep = {k: v for k, v in response.headers.items() if k.lower() in ("content-type", "retry-after")}
+        return Response(body, status_code=response.status_code, headers={**keep, WORKER_HEADER: url})
+
+    async def _opening(
+        self, api: Api, response: httpx.Response, ejected: asyncio.Event, deadline: float
+    ) -> tuple[list[bytes], AsyncGenerator[bytes, None]]:
+        """Read a stream up to its first output event; returns the events so far and the rest."""
+        chunks = response.aiter_raw()
+        splitter, held = EventSplitter(), []
+        limit = min(deadline, self.clock() + self.config.first_byte_timeout_s)
+        while True:
+            try:
+                chunk = await _race(anext(chunks), ejected, limit - self.clock())
+            except StopAsyncIteration:
+                raise httpx.RemoteProtocolError("the worker ended the stream before any output") from None
+            for event in splitter.feed(chunk):
+                held.append(event)
+                if carries_output(api, event):
+                    return held, self._rest(chunks, splitter)
+
+    @staticmethod
+    async def _rest(
+        chunks: AsyncGenerator[bytes, None], splitter: EventSplitter
+    ) -> AsyncGenerator[bytes, None]:
+        async for chunk in chunks:
+            for event in splitter.feed(chunk):
+                yield event
+
+    async def _relay_stream(
+        self,
+        api: Api,
+        url: str,
+        rid: str,
+        response: httpx.Response,
+        rest: AsyncGenerator[bytes, None],
+        opening: list[bytes],
+        ejected: asyncio.Event,
+        deadline: float,
+    ) -> AsyncGenerator[str, None]:
+        sent = 0
+        try:
+            for event in opening:
+                yield event.decode()
+                sent += 1
+            while True:
+                try:
+                    event = await _race(anext(rest), ejected, deadline - self.clock())
+                except StopAsyncIteration:
+                    return
+                yield event.decode()
+                sent += 1
+        except (httpx.HTTPError, _Ejected, TimeoutError) as exc:
+            kind = {"_Ejected": "ejected", "TimeoutError": "timeout"}.get(type(exc).__name__, "mid_stream")
+            reason = {"ejected": "the worker stopped answering", "timeout": "the request's deadline passed"}
+            self.metrics.failures.labels(kind="mid_stream").inc()
+            if kind == "mid_stream":
+                self.registry.eject(url, f"stream broke: {type(exc).__name__}: {exc}")
+            message = (
+                f"the worker serving this request failed mid-stream ({reason.get(kind, type(exc).__name__)})"
+            )
+            yield error_events(api, ApiError(502, message), sent).decode()
+        finally:
+            self.registry.book.finished(url, rid, self.clock())
+            await rest.aclose()
+            await response.aclose()

@@ -1,0 +1,108 @@
+"""A real ``deepinfer cluster`` for the tests: worker processes plus the router, on loopback."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from deepinfer.router.cluster import free_port
+
+
+@dataclass
+class Cluster:
+    url: str
+    process: subprocess.Popen
+    log: Path
+    workers: dict[str, dict] = field(default_factory=dict)  # url -> {"role", "pid"}
+
+    def workers_of(self, role: str) -> list[str]:
+        return [u for u, w in self.workers.items() if w["role"] == role]
+
+    def health(self) -> dict:
+        return httpx.get(f"{self.url}/health", timeout=5).json()
+
+    def wait_for(self, predicate, timeout: float = 30.0, what: str = "condition") -> None:
+        deadline = time.monotonic() + timeout
+        while not predicate():
+            if time.monotonic() > deadline:
+                raise AssertionError(f"{what} not reached in {timeout} s; router health {self.health()}")
+            time.sleep(0.1)
+
+    def metric(self, series: str) -> float:
+        for line in httpx.get(f"{self.url}/metrics", timeout=5).text.splitlines():
+            if line.startswith(series + " ") or (
+                line.startswith(series + "{") and line.split(" ")[0] == series
+            ):
+                return float(line.rsplit(" ", 1)[1])
+        return 0.0
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with contextlib.suppress(ChildProcessError):
+        done, _ = os.waitpid(pid, os.WNOHANG)
+        return done == 0
+    return True
+
+
+@contextlib.contextmanager
+def running_cluster(tmp_path: Path, *args: str, timeout_s: float = 180.0) -> Iterator[Cluster]:
+    """``deepinfer cluster ARGS`` with 1-thread workers; yields once the router's /health is ok;
+    stops it with SIGTERM and checks that no worker outlives it."""
+    port = free_port()
+    log = tmp_path / "cluster.log"
+    cmd = [sys.executable, "-m", "deepinfer.cli", "cluster", "--port", str(port), "--kv-store-path",
+           str(tmp_path / "store"), "--worker-threads", "1", "--worker-kv-cache-gib", "0.25", "--log-level",
+           "warning", *args]  # fmt: skip
+    # the reference CPU ops: these tests are about routing, and starting many workers at once must not
+    # wait on (or, killed mid-start, leave behind) a lock on the shared build of the native kernels
+    env = {**os.environ, "DEEPINFER_CPU_BACKEND": "reference"}
+    with open(log, "wb") as out:
+        process = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env=env)
+    cluster = Cluster(f"http://127.0.0.1:{port}", process, log)
+    try:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if process.poll() is not None:
+                raise RuntimeError(
+                    f"deepinfer cluster exited ({process.returncode}):\n{log.read_text()[-3000:]}"
+                )
+            with contextlib.suppress(httpx.HTTPError, ValueError):
+                if cluster.health()["status"] == "ok":
+                    break
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"the cluster was not healthy in {timeout_s} s:\n{log.read_text()[-3000:]}"
+                )
+            time.sleep(0.25)
+        for m in re.finditer(r"(\w+) worker pid (\d+) at (\S+)", log.read_text()):
+            cluster.workers[m.group(3)] = {"role": m.group(1), "pid": int(m.group(2))}
+        yield cluster
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(process.pid, signal.SIGTERM)
+        try:
+            process.wait(timeout=40)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+        for w in cluster.workers.values():  # stop_workers reaped them: none may be left
+            deadline = time.monotonic() + 10
+            while _alive(w["pid"]) and time.monotonic() < deadline:
+                time.sleep(0.1)
+            if _alive(w["pid"]):
+                os.kill(w["pid"], signal.SIGKILL)
+                raise AssertionError(f"worker pid {w['pid']} outlived the cluster")
