@@ -27,7 +27,10 @@ def parse(*argv: str) -> argparse.Namespace:
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (("--kv-store-path", "/proc/no/such"), "error: --kv-store-path: /proc/no/such is not a writable directory"),
+        (
+            ("--kv-store-path", "/proc/no/such"),
+            "error: --kv-store-path: /proc/no/such is not a writable directory",
+        ),
         (("--kv-store-capacity-gib", "0"), "error: --kv-store-capacity-gib: Input should be greater than 0"),
         (("--kv-host-cache-gib", "0"), "error: --kv-host-cache-gib: Input should be greater than 0"),
         (("--kv-ttl", "agent=3days"), "error: --kv-ttl: '3days' is not a positive duration"),
@@ -44,14 +47,22 @@ def test_bad_options_are_one_line_naming_the_option(argv: tuple[str, ...], messa
 
 def test_no_option_means_no_store_and_options_make_a_config(tmp_path: Path) -> None:
     assert cli.config_from_args(parse()) is None
-    config = cli.config_from_args(parse("--kv-store-path", str(tmp_path), "--kv-ttl", "agent=1h,chat=2d,batch=30m"))
-    assert config.path == str(tmp_path) and config.ttls == {"agent": 3600.0, "chat": 172800.0, "batch": 1800.0}
+    config = cli.config_from_args(
+        parse("--kv-store-path", str(tmp_path), "--kv-ttl", "agent=1h,chat=2d,batch=30m")
+    )
+    assert config.path == str(tmp_path) and config.ttls == {
+        "agent": 3600.0,
+        "chat": 172800.0,
+        "batch": 1800.0,
+    }
 
 
 def test_stats_verify_and_gc(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     ns = StoreNamespace("w", "t", "layout", 16, "float32", (0,), "full")
     policy = RetentionPolicy(dict(DEFAULT_TTLS), "chat")
-    tier = FileTier("disk", tmp_path, ns.digest(), ns.describe(), 1 << 30, False, policy, TierCounters(), time.time)
+    tier = FileTier(
+        "disk", tmp_path, ns.digest(), ns.describe(), 1 << 30, False, policy, TierCounters(), time.time
+    )
     keys = [store_key(ns.digest(), bytes([i]) * 16) for i in range(6)]
     now = time.time()
     tier.write_batch([(k, bytes([i]) * 1000, "agent" if i < 2 else "chat") for i, k in enumerate(keys)], now)
