@@ -13,6 +13,7 @@ choose the reference backend loudly (``DEEPINFER_CPU_BACKEND=auto``) or refuse (
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import os
 import platform
@@ -86,33 +87,54 @@ def toolchain_problem() -> str | None:
 
 
 def load() -> Any:
-    """Build (if needed) and load the kernels; returns ``torch.ops.deepinfer_cpu``. Idempotent."""
+    """Build (if needed) and load the kernels; returns ``torch.ops.deepinfer_cpu``. Idempotent.
+
+    A build holds an exclusive ``flock`` on ``build.flock`` in the build directory: the kernel releases it
+    when the holder dies, so a process killed mid-build (kill -9) never blocks later starts. torch's own
+    ``lock`` file (a baton that a killed build leaves behind, after which every ``cpp_extension.load``
+    waits forever) is removed under that lock before building, and a finished build is loaded directly,
+    without torch's builder, so other checkouts of the same source never rebuild it.
+    """
     global _loaded
     with _lock:
         if not _loaded:
-            problem = toolchain_problem()
-            if problem is not None:
-                raise NativeBuildError(f"cannot build the fast CPU kernels: {problem}")
-            from torch.utils import cpp_extension
-
             target = build_dir()
-            target.mkdir(parents=True, exist_ok=True)
-            if not (target / "deepinfer_cpu_ops.so").is_file():
-                logger.info("building the fast CPU kernels into %s (once per source/torch/CPU)", target)
+            library = target / "deepinfer_cpu_ops.so"
+            if not library.is_file():
+                _build(target)
             try:
-                cpp_extension.load(
-                    name="deepinfer_cpu_ops",
-                    sources=[str(SOURCE)],
-                    build_directory=str(target),
-                    extra_cflags=_FLAGS,
-                    extra_ldflags=["-fopenmp"],
-                    is_python_module=False,
-                    verbose=False,
-                )
-            except (RuntimeError, OSError, ImportError) as exc:
-                raise NativeBuildError(f"building {SOURCE.name} in {target} failed: {exc}") from exc
+                torch.ops.load_library(str(library))
+            except (RuntimeError, OSError) as exc:
+                raise NativeBuildError(f"loading {library} failed: {exc}") from exc
             _loaded = True
     return torch.ops.deepinfer_cpu
+
+
+def _build(target: Path) -> None:
+    problem = toolchain_problem()
+    if problem is not None:
+        raise NativeBuildError(f"cannot build the fast CPU kernels: {problem}")
+    from torch.utils import cpp_extension
+
+    target.mkdir(parents=True, exist_ok=True)
+    with open(target / "build.flock", "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)  # another process may be building: wait for it, not for a corpse
+        if (target / "deepinfer_cpu_ops.so").is_file():
+            return
+        (target / "lock").unlink(missing_ok=True)  # torch's baton, left by a build that was killed
+        logger.info("building the fast CPU kernels into %s (once per source/torch/CPU)", target)
+        try:
+            cpp_extension.load(
+                name="deepinfer_cpu_ops",
+                sources=[str(SOURCE)],
+                build_directory=str(target),
+                extra_cflags=_FLAGS,
+                extra_ldflags=["-fopenmp"],
+                is_python_module=False,
+                verbose=False,
+            )
+        except (RuntimeError, OSError, ImportError) as exc:
+            raise NativeBuildError(f"building {SOURCE.name} in {target} failed: {exc}") from exc
 
 
 if __name__ == "__main__":  # ./build.sh: python -m deepinfer.backends.cpu.native

@@ -332,3 +332,27 @@ def test_bf16_greedy_tokens_stay_close_to_fp32(monkeypatch: pytest.MonkeyPatch) 
     fast = kept(_generate("fast", monkeypatch, dtype="bfloat16"))
     reference = kept(_generate("reference", monkeypatch, dtype="bfloat16"))
     assert fast >= 0.6 and fast >= reference - 0.1, (fast, reference)
+
+
+def test_a_build_killed_mid_way_never_blocks_later_starts(tmp_path: Path) -> None:
+    """A build killed with SIGKILL leaves torch's ``lock`` baton behind; later starts must not wait on it
+    (they used to hang forever). The finished library is loaded directly, and a stale baton is cleared."""
+    from deepinfer.backends.cpu import native
+
+    built = native.build_dir() / "deepinfer_cpu_ops.so"
+    native.load()  # the library this run already uses (built by ./build.sh or the first activation)
+    cache = tmp_path / "cache"
+    target = cache / "cpu_ops" / native.build_key()
+    target.mkdir(parents=True)
+    (target / "deepinfer_cpu_ops.so").write_bytes(built.read_bytes())
+    (target / "lock").write_text("")  # what a killed cpp_extension build leaves
+    code = (
+        "from deepinfer.backends.cpu import native; ops = native.load(); "
+        "print(native.build_dir(), hasattr(ops, 'mla_decode'))"
+    )
+    env = {**os.environ, "DEEPINFER_CACHE_DIR": str(cache)}
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120, cwd=REPO_ROOT
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == [str(target), "True"]
