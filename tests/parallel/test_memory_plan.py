@@ -42,7 +42,10 @@ def test_redundant_slots_add_expert_memory() -> None:
         plan_memory(config, 32, num_redundant_experts=3)
 
 
-def test_cli_prints_every_ep_size_and_chip(capsys: pytest.CaptureFixture[str]) -> None:
+def test_cli_prints_every_ep_size_and_chip(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("DEEPINFER_MALLOC_TUNING", "0")  # main() would re-exec this process otherwise
     assert main(["plan", "memory", "--model", str(V3)]) == 0
     out = capsys.readouterr().out
     for ep in (8, 16, 32, 64):
