@@ -47,6 +47,7 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     parser.add_argument("--stream", action="store_true", help="print text as it is generated")
     parser.add_argument("--json", action="store_true", help="print one JSON object per prompt")
+    parser.add_argument("--deterministic", action="store_true", help="batch-invariant mode (README)")
 
 
 def _read_prompts(args: argparse.Namespace) -> list[str]:
@@ -70,7 +71,7 @@ def run(args: argparse.Namespace) -> int:
     from deepinfer.llm import LLM
     from deepinfer.sampling_params import SamplingParams
 
-    options = {"dtype": args.dtype}
+    options = {"dtype": args.dtype, **({"deterministic": True} if args.deterministic else {})}
     if args.accelerator:
         options["accelerator"] = args.accelerator
     llm = LLM(args.model, **options)

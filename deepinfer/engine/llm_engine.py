@@ -64,7 +64,11 @@ class LLMEngine:
             torch.set_num_threads(threads)
         self.platform = resolve_platform(config.accelerator)
         set_current_platform(self.platform)
-        activate(self.platform)
+        deterministic = (
+            config.deterministic if config.deterministic is not None else envs.get("DEEPINFER_DETERMINISTIC")
+        )
+        self.deterministic = bool(deterministic)
+        activate(self.platform, deterministic=self.deterministic)
         self.device = self.platform.device()
         folder = Path(config.model)
         raw_dtype = _checkpoint_dtype(folder)
@@ -117,6 +121,10 @@ class LLMEngine:
         self.structured = StructuredOutputs(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
         self.runner.structured = self.structured
         self.num_draft_tokens = self._setup_speculation()
+        if self.deterministic:
+            # One attention path for every token: prompt chunks take the absorbed (decode) path too, so a
+            # token's attention does not depend on chunking, prefix-cache hits or speculation.
+            self.runner.decode_query_len = config.max_num_batched_tokens
         self.spec_stats = SpecDecodeStats()
         self.cost_model = self._cost_model() if config.step_time_budget_ms else None
         budget = config.max_num_batched_tokens

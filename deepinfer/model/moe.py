@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from deepinfer.backends import ops
@@ -25,7 +24,7 @@ class Router(nn.Module):
         )
 
     def forward(self, x: Tensor) -> Tensor:
-        return F.linear(x.float(), self.weight)
+        return ops.linear(x.float(), self.weight, None)
 
 
 class Experts(nn.Module):

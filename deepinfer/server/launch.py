@@ -76,6 +76,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help="cut prompt chunks to this predicted step time (default: off)",
     )
     parser.add_argument("--async-scheduling", action="store_true", help="plan step N+1 while step N computes")
+    parser.add_argument("--deterministic", action="store_true", help="batch-invariant mode (README)")
     parser.add_argument(
         "--log-level",
         default=_default(ServerConfig, "log_level"),
@@ -104,6 +105,7 @@ def serve(args: argparse.Namespace) -> int:
         "num_draft_tokens": args.num_draft_tokens,
         "step_time_budget_ms": args.step_time_budget_ms,
         "async_scheduling": args.async_scheduling or None,
+        "deterministic": args.deterministic or None,
     }
     engine_config = EngineConfig(
         model=str(model), **{k: v for k, v in engine_options.items() if v is not None}
