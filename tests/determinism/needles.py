@@ -9,7 +9,7 @@ from pathlib import Path
 
 from deepinfer import LLM, SamplingParams
 
-MAX_TOKENS = 8
+MAX_TOKENS = 6
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,11 +55,11 @@ def batch_mates(count: int, vocab: int, rng: random.Random) -> list[tuple[list[i
     """Random prompts of random lengths, random output lengths, greedy or sampled."""
     mates = []
     for _ in range(count):
-        prompt = [rng.randrange(2, vocab) for _ in range(rng.randint(1, 120))]
+        prompt = [rng.randrange(2, vocab) for _ in range(rng.randint(1, 48))]
         params = SamplingParams(
             temperature=rng.choice([0.0, 1.0]),
             seed=rng.randrange(1 << 30),
-            max_tokens=rng.randint(1, 12),
+            max_tokens=rng.randint(1, 6),
             ignore_eos=True,
         )
         mates.append((prompt, params))
