@@ -43,7 +43,14 @@ if [ ! -x "$VENV/bin/python" ]; then
 fi
 mkdir -p "$STAMPS"
 VPY="$VENV/bin/python"
-pip_install() { "$VPY" -m pip install --disable-pip-version-check -q "$@" 2>&1 | grep -v 'is ignored: it is neither' || true; }
+# pip's own progress, one line per package (a first run downloads torch and friends: several minutes).
+pip_install() {
+  if ! "$VPY" -m pip install --disable-pip-version-check --progress-bar off "$@" 2>&1 \
+    | { grep --line-buffered -E '^(Collecting|Installing collected|Successfully installed|ERROR)' || true; } \
+    | sed -u 's/^/build.sh:   /'; then
+    die "pip install $* failed; rerun that command by hand to see pip's whole output"
+  fi
+}
 
 # --------------------------------------------------------------------------------- install
 case "$ACCEL" in
@@ -55,6 +62,7 @@ want="$ACCEL|$EXTRAS|$TORCH_SPEC|$(sha256sum pyproject.toml | cut -c1-16)"
 if [ "$(cat "$STAMPS/install" 2>/dev/null)" = "$want" ] && "$VPY" -c 'import deepinfer.backends.ops' 2>/dev/null; then
   say "python environment up to date ($ACCEL, extras: $EXTRAS)"
 else
+  say "installing the python environment ($ACCEL); the first run downloads packages and can take several minutes"
   say "installing $TORCH_SPEC"
   pip_install "$TORCH_SPEC"
   say "installing deepinfer (editable) with extras [$EXTRAS]"

@@ -280,6 +280,11 @@ def ep_combine(expert_out: Tensor, dispatch: EPDispatch, group: Any | None) -> T
 # ----------------------------------------------------------------------------------------- sampling
 
 
+# Below this, sampling is greedy: logits / T stays finite for |logits| < 3e33, and at such a temperature
+# a logit gap of 1e-3 already weighs e^100 (vLLM draws its greedy line at the same 1e-5).
+MIN_SAMPLING_TEMPERATURE = 1e-5
+
+
 def sample(
     logits: Tensor,
     temperature: Tensor,
@@ -301,7 +306,15 @@ def sample(
     ``argmax(log p + g)`` with Gumbel noise ``g = -log(-log(u))`` and ``u = counter_uniform(seed,
     offset, token)`` (``deepinfer.backends.reference.sampling.counter_uniform`` defines the generator
     bit-exactly, so every backend draws the same tokens). Returns [B] int64.
+
+    Values too small for float32 arithmetic are normalised here, before dispatch, so backends see
+    temperature 0 or >= ``MIN_SAMPLING_TEMPERATURE`` and top_p >= 0.5 / V: a lower temperature (1e-40
+    is a float32 subnormal; ``logits / T`` overflows and the softmax is NaN) is greedy, and top_p is
+    raised to 0.5 / V (1e-300 is 0 in float32, which would keep no token), which changes nothing,
+    since the most probable token alone has probability >= 1 / V and any smaller nucleus is it alone.
     """
+    temperature = torch.where(temperature < MIN_SAMPLING_TEMPERATURE, 0.0, temperature)
+    top_p = top_p.clamp_min(0.5 / logits.shape[1])
     return active_ops().sample(logits, temperature, top_k, top_p, min_p, seeds, offsets)
 
 

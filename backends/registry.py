@@ -99,6 +99,7 @@ class OpTable:
         self._fallbacks: dict[str, str] = {}
         self._invariant_impls: dict[str, Callable[..., Any]] = {}
         self._invariance: dict[str, tuple[bool, str]] = {}  # name -> (default is invariant, why)
+        self._runtime_fallbacks: dict[str, str] = {}  # see fallback_at_runtime
         self._final = False
         self.deterministic = False  # set by ``set_deterministic``; ops then resolve to invariant ones
         self._routes: dict[str, Invariance] = {}
@@ -172,6 +173,18 @@ class OpTable:
         for name in names:
             self._fallbacks[name] = reason
 
+    def fallback_at_runtime(self, name: str, reason: str) -> None:
+        """Declare that op ``name``, implemented by this backend, runs the reference implementation on
+        this host after all, for ``reason`` found only when it first ran (a native kernel that is not
+        built, does not load, or failed its self-test). Logged as a WARNING once per reason; listed by
+        ``reference_fallbacks`` and ``describe()``. Cheap to call on every use."""
+        if self._runtime_fallbacks.get(name) == reason:
+            return
+        if name not in self._impls:
+            raise ValueError(f"{self.backend}: {name!r} is not an op this backend implements")
+        self._runtime_fallbacks[name] = reason
+        logger.warning("backend %s: op %s runs the reference implementation (%s)", self.backend, name, reason)
+
     def finalize(self) -> OpTable:
         """Check completeness (idempotent). Raises MissingOpError naming every missing op."""
         if self._final:
@@ -204,7 +217,7 @@ class OpTable:
     def invariance(self) -> dict[str, Invariance]:
         """Op name -> how it runs in deterministic mode on this backend (finalises the table)."""
         self.finalize()
-        own_layout = "kv_cache_spec" not in self._fallbacks
+        own_layout = self._own_cache_layout()
         routes: dict[str, Invariance] = {}
         for name in sorted(self._impls):
             default_ok, note = self._invariance.get(name, (False, "not declared"))
@@ -226,6 +239,16 @@ class OpTable:
                 routes[name] = Invariance(name, "reference", note)
         return routes
 
+    def _own_cache_layout(self) -> bool:
+        """Whether this backend's KV-cache layout differs from the reference's (probed at V3 widths)."""
+        if self.backend == REFERENCE_BACKEND:
+            return False
+        import torch
+
+        probe = (512, 64, torch.float32)
+        reference = load_backend(REFERENCE_BACKEND).default_implementation("kv_cache_spec")
+        return self._impls["kv_cache_spec"](*probe) != reference(*probe)
+
     def set_deterministic(self, deterministic: bool) -> OpTable:
         """Switch every op to its deterministic-mode formulation (or back); logs the routing once."""
         if deterministic and not self._announced:
@@ -239,7 +262,11 @@ class OpTable:
                         route.op,
                         route.note,
                     )
-            logger.info("backend %s: deterministic (batch-invariant) mode\n%s", self.backend, self.describe())
+            logger.info(
+                "backend %s: deterministic (batch-invariant) mode\n%s",
+                self.backend,
+                self.describe_invariance(),
+            )
         self.deterministic = deterministic
         return self
 
@@ -254,7 +281,7 @@ class OpTable:
             return self._invariant_impls[name]
         return self.default_implementation(name)
 
-    def describe(self) -> str:
+    def describe_invariance(self) -> str:
         """One line per op: the formulation deterministic mode runs and why it is batch-invariant."""
         return "\n".join(f"  {r.op}: {r.formulation} ({r.note})" for r in self.invariance().values())
 
@@ -272,8 +299,17 @@ class OpTable:
 
     @property
     def reference_fallbacks(self) -> dict[str, str]:
-        """Op name -> reason, for ops this backend declared to run the reference implementation."""
-        return dict(self._fallbacks)
+        """Op name -> reason, for ops this backend declared to run the reference implementation (at
+        registration, or at run time on this host)."""
+        return {**self._fallbacks, **self._runtime_fallbacks}
+
+    def describe(self) -> str:
+        """One line: the backend, its op count, and each reference fallback with its reason."""
+        fallbacks = self.reference_fallbacks
+        listed = "; ".join(f"{name} ({why})" for name, why in sorted(fallbacks.items()))
+        return f"{self.backend}: {len(self._impls)} ops" + (
+            f", reference implementation for {listed}" if fallbacks else ", no reference fallbacks"
+        )
 
     def __getattr__(self, name: str) -> Callable[..., Any]:
         if name.startswith("_"):

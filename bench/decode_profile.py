@@ -24,7 +24,7 @@ from torch import nn
 from deepinfer import LLM, SamplingParams
 from deepinfer.bench.report import environment
 from deepinfer.bench.workload import Workload
-from deepinfer.cli import reexec_with_malloc_tuning
+from deepinfer.malloc_tuning import reexec_with_malloc_tuning
 from deepinfer.model.attention import MLAAttention
 from deepinfer.model.moe import MoE
 

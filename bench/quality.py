@@ -18,7 +18,7 @@ from pathlib import Path
 from deepinfer import LLM
 from deepinfer.bench import quality
 from deepinfer.bench.report import environment
-from deepinfer.cli import reexec_with_malloc_tuning
+from deepinfer.malloc_tuning import reexec_with_malloc_tuning
 
 
 def main() -> None:

@@ -23,8 +23,8 @@ from pathlib import Path
 from deepinfer import LLM, SamplingParams
 from deepinfer.bench.report import environment
 from deepinfer.bench.workload import Workload
-from deepinfer.cli import reexec_with_malloc_tuning
 from deepinfer.engine.spec_stats import SpecDecodeStats
+from deepinfer.malloc_tuning import reexec_with_malloc_tuning
 
 NEW_TOKENS = 128
 

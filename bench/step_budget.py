@@ -22,7 +22,7 @@ from deepinfer import LLM, SamplingParams
 from deepinfer.bench.offline import percentile
 from deepinfer.bench.report import environment
 from deepinfer.bench.workload import Workload
-from deepinfer.cli import reexec_with_malloc_tuning
+from deepinfer.malloc_tuning import reexec_with_malloc_tuning
 
 
 def run(llm: LLM, decodes: list[list[int]], long_prompt: list[int]) -> dict:

@@ -19,7 +19,7 @@ from pathlib import Path
 from deepinfer import LLM, SamplingParams
 from deepinfer.bench.report import environment
 from deepinfer.bench.workload import Workload
-from deepinfer.cli import reexec_with_malloc_tuning
+from deepinfer.malloc_tuning import reexec_with_malloc_tuning
 
 SCHEMA = {
     "type": "object",

@@ -8,28 +8,53 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from deepinfer import __version__, envs
+from deepinfer import __version__
+from deepinfer.malloc_tuning import reexec_with_malloc_tuning
 
-MALLOC_TUNABLES = "glibc.malloc.mmap_threshold=4294967295:glibc.malloc.trim_threshold=4294967295"
+
+class HelpFormatter(argparse.HelpFormatter):
+    """``--help`` shows each option's default (where it has one worth showing)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        default = action.default
+        hidden = default is None or default is False or default is argparse.SUPPRESS
+        if "%(default)" in text or hidden or not action.option_strings:
+            return text
+        return f"{text} (default: %(default)s)" if text else "(default: %(default)s)"
 
 
-def reexec_with_malloc_tuning() -> None:
-    """Re-execute this process once with glibc's malloc thresholds raised: without it, large
-    temporaries are mmapped and unmapped every step and page faults can double the run time."""
-    if (
-        os.environ.get("GLIBC_TUNABLES")
-        or not envs.get("DEEPINFER_MALLOC_TUNING")
-        or not sys.platform.startswith("linux")
-    ):
-        return
-    env = {**os.environ, "GLIBC_TUNABLES": MALLOC_TUNABLES}
-    os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)
+class Parser(argparse.ArgumentParser):
+    """An argument parser whose errors are one line (``deepinfer serve: error: ...``)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        kwargs.setdefault("formatter_class", HelpFormatter)
+        super().__init__(*args, **kwargs)
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def user_error(prog: str, exc: BaseException) -> int:
+    """Print a user's mistake (bad settings, a missing file, a busy port) as one line; exit code 2."""
+    from pydantic import ValidationError
+
+    if isinstance(exc, ValidationError):
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first["loc"])
+        flag = f"--{where.replace('_', '-')}: " if where else ""
+        message = f"{flag}{first['msg']}"
+        if first.get("input") is not None and where:
+            message += f" (got {first['input']!r})"
+    else:
+        message = str(exc)
+    print(f"{prog}: error: {message}", file=sys.stderr)
+    return 2
 
 
 def add_run_arguments(parser: argparse.ArgumentParser) -> None:
@@ -39,12 +64,16 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
         "--model", help="Hugging Face model folder (default: the bundled deepinfer-tiny-coder)"
     )
     parser.add_argument("--max-tokens", type=int, default=128, help="tokens to generate per prompt")
-    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--top-k", type=int, default=0)
-    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    parser.add_argument(
+        "--top-p", type=float, default=1.0, help="nucleus sampling: keep this probability mass"
+    )
+    parser.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0: all)")
+    parser.add_argument("--seed", type=int, default=None, help="sampling seed (default: random)")
     parser.add_argument("--accelerator", help="cpu | nvidia | ascend | auto (default: DEEPINFER_ACCELERATOR)")
-    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    parser.add_argument(
+        "--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"], help="weights' dtype"
+    )
     parser.add_argument("--stream", action="store_true", help="print text as it is generated")
     parser.add_argument("--json", action="store_true", help="print one JSON object per prompt")
     parser.add_argument("--deterministic", action="store_true", help="batch-invariant mode (README)")
@@ -55,8 +84,11 @@ def _read_prompts(args: argparse.Namespace) -> list[str]:
     for p in args.prompts:
         prompts.append(sys.stdin.read() if p == "-" else p)
     if args.file:
-        with open(args.file, encoding="utf-8") as f:
-            prompts += [line.rstrip("\n") for line in f if line.strip()]
+        try:
+            with open(args.file, encoding="utf-8") as f:
+                prompts += [line.rstrip("\n") for line in f if line.strip()]
+        except OSError as exc:
+            raise ValueError(f"--file {args.file}: {exc.strerror or exc}") from None
     if not prompts and not sys.stdin.isatty():
         data = sys.stdin.read()
         if data.strip():
@@ -67,22 +99,42 @@ def _read_prompts(args: argparse.Namespace) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    prompts = _read_prompts(args)
-    from deepinfer.llm import LLM
+    """``deepinfer run``; a user error (a bad option, a missing file or model) is one line, exit 2."""
+    from pydantic import ValidationError
+
+    try:
+        return _run(args)
+    except (ValueError, ValidationError, OSError) as exc:
+        return user_error("deepinfer run", exc)
+
+
+def _run(args: argparse.Namespace) -> int:
     from deepinfer.sampling_params import SamplingParams
 
+<<<<<<< HEAD
     options = {"dtype": args.dtype, **({"deterministic": True} if args.deterministic else {})}
     if args.accelerator:
         options["accelerator"] = args.accelerator
     llm = LLM(args.model, **options)
     engine = llm.engine
     params = SamplingParams(
+=======
+    params = SamplingParams(  # checked before the prompts are read and the model loads
+>>>>>>> main
         temperature=args.temperature,
         top_p=args.top_p,
         top_k=args.top_k,
         seed=args.seed,
         max_tokens=args.max_tokens,
     )
+    prompts = _read_prompts(args)
+    from deepinfer.llm import LLM
+
+    options = {"dtype": args.dtype}
+    if args.accelerator:
+        options["accelerator"] = args.accelerator
+    llm = LLM(args.model, **options)
+    engine = llm.engine
     if not args.json:
         print(
             f"deepinfer {__version__} | platform {engine.platform.describe()} | model {engine.checkpoint.path.name} "
@@ -193,6 +245,17 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
             p.add_argument("--max-seconds", type=float, default=300.0, help="stop sending after this long")
             p.add_argument("--url", help="an already running server (default: start one on loopback)")
             p.add_argument("--served-model-name", help="with --url: the model name the server expects")
+            p.add_argument(
+                "--concurrency",
+                type=int,
+                help="closed loop of this many clients instead of Poisson arrivals (64: saturation)",
+            )
+            p.add_argument(
+                "--compare-offline",
+                action="store_true",
+                help="with --concurrency: alternate with bench offline on the same prompts; report the ratio",
+            )
+            p.add_argument("--reps", type=int, default=2, help="with --compare-offline: runs of each")
 
 
 def bench(args: argparse.Namespace) -> int:
@@ -216,11 +279,7 @@ def bench(args: argparse.Namespace) -> int:
     }
     if args.bench == "serve":
         result = _bench_serve(args, model, workload, options)
-        summary = (
-            f"{result['completed']}/{result['requests']} requests at {args.request_rate}/s: "
-            f"{result['output_tokens_per_s']:.0f} tok/s, TTFT mean {result['ttft_s']['mean'] * 1000:.0f} ms "
-            f"p99 {result['ttft_s']['p99'] * 1000:.0f} ms, TPOT mean {result['tpot_s']['mean'] * 1000:.1f} ms"
-        )
+        summary = _serve_summary(args, result)
     elif args.bench == "peer":
         from deepinfer.bench.peer import compare
 
@@ -264,12 +323,30 @@ def bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve_summary(args: argparse.Namespace, result: dict) -> str:
+    if args.compare_offline:
+        return (
+            f"served {result['served_median']:.0f} tok/s vs offline {result['offline_median']:.0f} tok/s "
+            f"(medians of {args.reps}, alternating): {result['served_over_offline']:.1%} at concurrency "
+            f"{args.concurrency}"
+        )
+    load = f"concurrency {args.concurrency}" if args.concurrency else f"{args.request_rate}/s"
+    return (
+        f"{result['completed']}/{result['requests']} requests at {load}: "
+        f"{result['output_tokens_per_s']:.0f} tok/s, TTFT mean {result['ttft_s']['mean'] * 1000:.0f} ms "
+        f"p99 {result['ttft_s']['p99'] * 1000:.0f} ms, TPOT mean {result['tpot_s']['mean'] * 1000:.1f} ms"
+    )
+
+
 def _bench_serve(args: argparse.Namespace, model: str, workload, options: dict) -> dict:
     import asyncio
     import contextlib
 
-    from deepinfer.bench.serve import launch, run_load
+    from deepinfer.bench.serve import compare_offline, launch, run_concurrent, run_load
     from deepinfer.tokenizer import Tokenizer
+
+    if args.compare_offline and not args.concurrency:
+        raise SystemExit("deepinfer bench serve: error: --compare-offline needs --concurrency (e.g. 64)")
 
     prompts = workload.prompts(Tokenizer(model))
     flags = {
@@ -285,34 +362,63 @@ def _bench_serve(args: argparse.Namespace, model: str, workload, options: dict) 
         server_args.append("--async-scheduling")
     name = args.served_model_name or Path(model).name
     with launch(model, server_args) if args.url is None else contextlib.nullcontext(args.url) as url:
-        result = asyncio.run(
-            run_load(url, name, prompts, workload.output_len, args.request_rate, args.max_seconds, args.seed)
-        )
+        if args.compare_offline:
+            from deepinfer.llm import LLM
+
+            result = compare_offline(
+                url, name, LLM(model, **options), workload, prompts, args.concurrency, args.reps
+            )
+        elif args.concurrency:
+            result = asyncio.run(run_concurrent(url, name, prompts, workload.output_len, args.concurrency))
+        else:
+            result = asyncio.run(
+                run_load(
+                    url, name, prompts, workload.output_len, args.request_rate, args.max_seconds, args.seed
+                )
+            )
     result.update(workload=workload.describe(), server_args=server_args, model=model)
     return result
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="deepinfer", description="DeepSeek-family inference engine")
+    parser = Parser(prog="deepinfer", description="DeepSeek-family inference engine")
     parser.add_argument("--version", action="version", version=f"deepinfer {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     add_run_arguments(sub.add_parser("run", help="complete prompts with a model"))
     add_bench_arguments(sub.add_parser("bench", help="benchmarks: offline, peer, pareto"))
+    from deepinfer.kvstore import cli as kvstore_cli
     from deepinfer.server.launch import add_serve_arguments  # argparse only: no server imports yet
 
-    add_serve_arguments(
-        sub.add_parser("serve", help="serve a model over OpenAI- and Anthropic-compatible HTTP")
+    serve_parser = sub.add_parser("serve", help="serve a model over OpenAI- and Anthropic-compatible HTTP")
+    add_serve_arguments(serve_parser)
+    kvstore_cli.add_serve_args(serve_parser)
+    kvstore_cli.add_kvstore_args(
+        sub.add_parser("kvstore", help="inspect, verify and clean a KV store directory")
     )
+    from deepinfer.sim.cli import add_plan_arguments  # argparse only: the planner imports nothing yet
+
+    add_plan_arguments(sub.add_parser("plan", help="cluster simulator: capacity and cost planner, scenarios"))
     args = parser.parse_args(argv)
+    if args.command == "kvstore":
+        return kvstore_cli.run_kvstore(args)
     reexec_with_malloc_tuning()
     if args.command == "run":
         return run(args)
     if args.command == "bench":
         return bench(args)
     if args.command == "serve":
+        from pydantic import ValidationError
+
         from deepinfer.server.launch import serve
 
-        return serve(args)
+        try:
+            return serve(args)
+        except (ValueError, ValidationError, OSError) as exc:
+            return user_error("deepinfer serve", exc)
+    if args.command == "plan":
+        from deepinfer.sim.cli import plan
+
+        return plan(args)
     parser.error(f"unknown command {args.command}")
     return 2
 

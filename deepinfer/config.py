@@ -6,6 +6,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from deepinfer.kvstore.config import KVStoreConfig
+
 DType = Literal["auto", "float32", "bfloat16", "float16"]
 
 
@@ -66,4 +68,13 @@ class EngineConfig(BaseModel):
     cost_model: Literal["calibrate", "chip"] = Field(
         "calibrate",
         description="step cost model: measured on the model at startup (cached) or from chip facts",
+    )
+    detokenize: bool = Field(
+        True,
+        description="build output text in the engine; False leaves it to the caller (the server's API front "
+        "detokenizes; stop strings are still matched in the engine)",
+    )
+    # KV store (deepinfer/kvstore): tiers beyond the device cache; None: off.
+    kv_store: KVStoreConfig | None = Field(
+        None, description="host-memory / disk / shared KV store with retention by traffic class"
     )

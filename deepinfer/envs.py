@@ -68,6 +68,15 @@ ENV_VARS: dict[str, EnvVar] = {
             "Where deepinfer keeps files it can recompute (calibrated step cost models).",
         ),
         EnvVar(
+            "DEEPINFER_CPU_BACKEND",
+            "auto",
+            str.strip,
+            "Op backend of the cpu platform: fast (deepinfer.backends.cpu, C++ kernels built with the "
+            "host's C++ compiler; an error if they cannot be built) | reference (the plain-PyTorch "
+            "oracle) | auto (fast when a C++ compiler and ninja are present, else reference with a "
+            "warning that says what is missing).",
+        ),
+        EnvVar(
             "DEEPINFER_CONFORMANCE_DTYPES",
             "float32,bfloat16",
             str.strip,
@@ -127,6 +136,14 @@ ENV_VARS: dict[str, EnvVar] = {
             "Default of EngineConfig.deterministic (`--deterministic`): batch-invariant mode, in which a "
             "request's logits and tokens do not depend on what else is in its batch, how its prompt is "
             "chunked, prefix-cache hits or speculative decoding (README: Deterministic mode).",
+        ),
+        EnvVar(
+            "DEEPINFER_SWA_REPLAY",
+            "exact",
+            str.strip,
+            "KV store, models with sliding-window layers: how a prefix hit that lacks the window's SWA "
+            "state is completed. exact: recompute the receptive field (same result as a cold run); "
+            "bounded: recompute only the last swa_replay_tokens (DeepSeek's approximation).",
         ),
         EnvVar(
             "DEEPINFER_NUM_THREADS",

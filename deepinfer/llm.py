@@ -10,6 +10,7 @@ from deepinfer.engine.llm_engine import LLMEngine
 from deepinfer.model_zoo import default_model_path
 from deepinfer.outputs import RequestOutput
 from deepinfer.sampling_params import SamplingParams
+from deepinfer.text_input import require_valid_text
 from deepinfer.tokenizer import Tokenizer
 
 
@@ -40,6 +41,9 @@ class LLM:
         or one per prompt (default: ``SamplingParams()``).
         """
         texts, ids = _normalise_prompts(prompts, prompt_token_ids)
+        for i, text in enumerate(texts):
+            if text is not None:
+                require_valid_text(text, f"prompts[{i}]")
         count = len(texts)
         if sampling_params is None:
             sampling_params = SamplingParams()

@@ -2,16 +2,13 @@
 
 from __future__ import annotations
 
-import argparse
 import sys
 
-from deepinfer.cli import add_run_arguments, reexec_with_malloc_tuning, run
+from deepinfer.cli import Parser, add_run_arguments, reexec_with_malloc_tuning, run
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m deepinfer.run", description="Complete prompts with a model."
-    )
+    parser = Parser(prog="python -m deepinfer.run", description="Complete prompts with a model.")
     add_run_arguments(parser)
     args = parser.parse_args()
     reexec_with_malloc_tuning()

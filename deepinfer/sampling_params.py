@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import json
+
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from deepinfer.text_input import require_valid_text
 
 
 class SamplingParams(BaseModel):
@@ -41,6 +45,8 @@ class SamplingParams(BaseModel):
     json_schema: dict | str | None = None
     grammar: str | None = None
     choice: list[str] | None = Field(None, min_length=1)
+    # KV store retention class (agent, chat or one the operator configures); None: the default.
+    traffic_class: str | None = Field(None, min_length=1, max_length=16)
 
     @model_validator(mode="after")
     def _one_constraint(self) -> SamplingParams:
@@ -48,6 +54,24 @@ class SamplingParams(BaseModel):
         if len(given) > 1:
             raise ValueError(
                 f"give at most one of regex, json_schema, grammar, choice; got {', '.join(given)}"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _valid_text(self) -> SamplingParams:
+        """Every text field must be valid Unicode (no lone surrogates): it reaches the tokenizer, the
+        grammar compiler or a UTF-8 encoder."""
+        for name in ("stop", "choice"):
+            for i, text in enumerate(getattr(self, name) or ()):
+                require_valid_text(text, f"{name}[{i}]")
+        for name in ("regex", "grammar"):
+            if getattr(self, name) is not None:
+                require_valid_text(getattr(self, name), name)
+        if self.json_schema is not None:
+            schema = self.json_schema
+            # ensure_ascii=False keeps lone surrogates as characters, so the check finds them.
+            require_valid_text(
+                schema if isinstance(schema, str) else json.dumps(schema, ensure_ascii=False), "json_schema"
             )
         return self
 

@@ -9,6 +9,8 @@ from typing import Any
 
 from tokenizers import Tokenizer as HFTokenizer
 
+from deepinfer.text_input import require_valid_text
+
 
 def _token_text(value: Any) -> str | None:
     if isinstance(value, dict):
@@ -41,8 +43,9 @@ class Tokenizer:
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of ``text``; with ``add_special_tokens`` a BOS is prepended when the tokenizer's
-        config asks for one (and its post-processor did not already add it)."""
-        ids = self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        config asks for one (and its post-processor did not already add it). Text with a lone surrogate
+        raises InvalidTextError (a ValueError); callers that know the field name check it first."""
+        ids = self._tok.encode(require_valid_text(text, "text"), add_special_tokens=add_special_tokens).ids
         if add_special_tokens and self.add_bos_token and (not ids or ids[0] != self.bos_token_id):
             ids = [self.bos_token_id, *ids]
         return ids

@@ -4,8 +4,9 @@
 ``libdeepinfer_ascend_ops.so``, which registers ``torch.ops.deepinfer_ascend.sample`` (TORCH_LIBRARY, with
 a Meta implementation for graph capture and fake-tensor tracing). On first use the library is loaded and
 the kernel is checked against the reference sampler on a fixed batch that exercises every filter and
-greedy rows; only a kernel that draws exactly the reference's tokens is used. Whichever path runs is
-logged once, with the reason.
+greedy rows; only a kernel that draws exactly the reference's tokens is used. When it is not, the
+torch path (the reference implementation) runs, declared through the op registry as a reference
+fallback with the reason (a WARNING, listed by ``OpTable.describe()``).
 """
 
 from __future__ import annotations
@@ -58,31 +59,29 @@ def self_test(kernel: Sampler, device: torch.device) -> str | None:
     return f"rows {wrong} drew different tokens than the reference" if wrong else None
 
 
-def load_sampling_kernel(library: Path, device: torch.device) -> Sampler | None:
-    """The library's sampling op if it loads and passes its self-test on ``device``; logs the outcome."""
+def load_sampling_kernel(library: Path, device: torch.device) -> tuple[Sampler | None, str]:
+    """(the library's sampling op, how it was chosen) if it loads and passes its self-test on
+    ``device``, else (None, why not): the caller declares that fallback through the op registry."""
     if not library.is_file():
-        logger.info("sampling: Ascend C kernel not built (%s missing); using the torch path", library)
-        return None
+        return None, f"the Ascend C kernel is not built ({library} missing)"
     try:
         torch.ops.load_library(str(library))
         kernel = torch.ops.deepinfer_ascend.sample
     except (OSError, RuntimeError, AttributeError) as exc:
-        logger.warning("sampling: %s did not load (%s); using the torch path", library, exc)
-        return None
+        return None, f"the Ascend C kernel {library} did not load ({exc})"
     failure = self_test(kernel, device)
     if failure is not None:
-        logger.warning("sampling: Ascend C kernel failed its self-test (%s); using the torch path", failure)
-        return None
+        return None, f"the Ascend C kernel failed its self-test ({failure})"
     logger.info("sampling: using the Ascend C kernel (%s, self-test passed)", library)
-    return kernel
+    return kernel, f"the Ascend C kernel ({library}, self-test passed)"
 
 
 @functools.cache
-def sampling_kernel(device: torch.device) -> Sampler | None:
-    """The Ascend C sampler for ``device``, decided once per device (None: use the torch path)."""
+def sampling_kernel(device: torch.device) -> tuple[Sampler | None, str]:
+    """The Ascend C sampler for ``device`` and how it was chosen, decided once per device (None, why
+    not: use the torch path)."""
     if device.type != "npu":
-        logger.info("sampling: device %s is not an NPU; using the torch path", device)
-        return None
+        return None, f"device {device} is not an NPU"
     return load_sampling_kernel(LIBRARY, device)
 
 
@@ -95,10 +94,8 @@ def main() -> int:
     if not LIBRARY.is_file():
         print(f"ascend custom ops: not built ({LIBRARY} missing); sampling uses the torch path")
         return 0
-    kernel = load_sampling_kernel(LIBRARY, torch.device("npu", 0))
-    verdict = (
-        "self-test passed" if kernel is not None else "FAILED its self-test or did not load (see the log)"
-    )
+    kernel, why = load_sampling_kernel(LIBRARY, torch.device("npu", 0))
+    verdict = "self-test passed" if kernel is not None else f"NOT USED: {why}"
     print(f"ascend custom ops: {LIBRARY}: deepinfer_ascend::sample {verdict}")
     return 0 if kernel is not None else 1
 

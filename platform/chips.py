@@ -159,3 +159,64 @@ def chip_facts(key: str) -> ChipFacts:
         return CHIPS[key]
     except KeyError:
         raise KeyError(f"no chip facts for {key!r}; known chips: {', '.join(sorted(CHIPS))}") from None
+
+
+# --------------------------------------------------------------------------- deployment SKUs
+# What the cluster simulator and planner (deepinfer.sim) need beyond a chip's own facts: the product a
+# deployment rents (a chip in a given system), its scale-up domain (how many chips share the fast
+# link, which bounds an EP group before traffic crosses the slower scale-out network), the scale-out
+# bandwidth per chip, and a rental price where one is published (None: the planner asks for one).
+
+
+@dataclass(frozen=True, slots=True)
+class SkuFacts:
+    key: str
+    chip: str  # key into CHIPS
+    name: str
+    scale_up_chips: int  # chips on one NVLink / UB domain
+    scale_out_bytes_per_s: float  # per chip, across domains (RDMA NICs)
+    usd_per_chip_hour: float | None
+    source: str
+
+
+SKUS: dict[str, SkuFacts] = {
+    s.key: s
+    for s in (
+        SkuFacts(
+            "gb200", "sm100", "GB200 NVL72", 72, 100 * GB, 10.582,
+            "NVIDIA GB200 NVL72 spec (72 GPUs on one NVLink 5 domain; ConnectX-8 800 Gb/s per GPU); price: "
+            "AWS EC2 Capacity Blocks, u-p6e-gb200x72, US East (Dallas) Local Zone, US$10.582 per "
+            "accelerator-hour (seeds 002/003)",
+        ),
+        SkuFacts(
+            "b200", "sm100", "HGX B200 (8 GPUs)", 8, 50 * GB, 14.208,
+            "NVIDIA DGX B200 datasheet (8 GPUs per NVLink domain, 400 Gb/s ConnectX-7 per GPU); price: AWS "
+            "EC2 Capacity Blocks, p6-b200.48xlarge, US$14.208 per accelerator-hour (seeds 002/003)",
+        ),
+        SkuFacts(
+            "h200", "sm90", "HGX H200 (8 GPUs)", 8, 50 * GB, None,
+            "NVIDIA HGX H200 (8 GPUs per NVLink 4 domain, 400 Gb/s per GPU); no rental price in our sources",
+        ),
+        SkuFacts(
+            "ascend950pr", "ascend950pr", "Ascend 950PR (Atlas 950 SuperPoD)", 8192, 2.0 * TB, None,
+            "Huawei Connect 2025 roadmap (secondary sources): Atlas 950 SuperPoD joins up to 8,192 chips on "
+            "the UB link, so EP never leaves the fast domain; no rental price published",
+        ),
+        SkuFacts(
+            "ascend950dt", "ascend950dt", "Ascend 950DT (Atlas 950 SuperPoD)", 8192, 2.0 * TB, None,
+            "Huawei Connect 2025 roadmap (secondary sources), as for 950PR; no rental price published",
+        ),
+        SkuFacts(
+            "cpu", "cpu", "this CPU host", 1, 1.25 * GB, None,
+            "a single host; EP across hosts runs over Ethernet (10 Gb/s assumed)",
+        ),
+    )
+}  # fmt: skip
+
+
+def sku_facts(key: str) -> SkuFacts:
+    """Return the deployment SKU ``key``; an unknown key names the known ones."""
+    try:
+        return SKUS[key]
+    except KeyError:
+        raise KeyError(f"unknown chip {key!r}; known chips: {', '.join(sorted(SKUS))}") from None

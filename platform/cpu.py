@@ -1,11 +1,50 @@
-"""The CPU platform: always available; runs the reference backend (plain PyTorch)."""
+"""The CPU platform: always available; runs the fast CPU backend, or the reference one.
+
+``DEEPINFER_CPU_BACKEND`` chooses the op backend: ``fast`` (``deepinfer.backends.cpu``, native
+kernels compiled on this host), ``reference`` (``deepinfer.backends.reference``, the plain-PyTorch
+oracle) or ``auto`` (default: fast when the kernels are built or can be built here, else the reference,
+with a warning naming what is missing). ``fast`` on a host without a C++ toolchain is an error.
+"""
 
 from __future__ import annotations
 
 import os
 import platform as _stdlib_platform
 
-from deepinfer.platform.interface import Detection, Platform
+from deepinfer import envs
+from deepinfer.logger import get_logger
+from deepinfer.platform.interface import Detection, Platform, PlatformUnavailableError
+
+logger = get_logger(__name__)
+
+FAST_BACKEND = "deepinfer.backends.cpu.backend"
+REFERENCE_BACKEND = "deepinfer.backends.reference"
+_CHOICES = ("auto", "fast", "reference")
+
+
+def cpu_op_backend() -> str:
+    """The op backend module DEEPINFER_CPU_BACKEND selects on this host (see the module docstring)."""
+    choice = envs.get("DEEPINFER_CPU_BACKEND")
+    if choice not in _CHOICES:
+        raise ValueError(f"DEEPINFER_CPU_BACKEND={choice!r}; choose one of: {', '.join(_CHOICES)}")
+    if choice == "reference":
+        return REFERENCE_BACKEND
+    from deepinfer.backends.cpu.native import toolchain_problem
+
+    problem = toolchain_problem()
+    if problem is None:
+        return FAST_BACKEND
+    if choice == "fast":
+        raise PlatformUnavailableError(
+            f"DEEPINFER_CPU_BACKEND=fast, but the fast CPU kernels cannot be built: {problem}; "
+            "install it or set DEEPINFER_CPU_BACKEND=reference"
+        )
+    logger.warning(
+        "cpu: running the reference op backend (several times slower): the fast kernels cannot be "
+        "built: %s. Set DEEPINFER_CPU_BACKEND=reference to silence this, or install it.",
+        problem,
+    )
+    return REFERENCE_BACKEND
 
 
 class CpuPlatform(Platform):
@@ -13,7 +52,10 @@ class CpuPlatform(Platform):
     device_type = "cpu"
     dist_backend = "gloo"
     visible_devices_env = None
-    op_backend = "deepinfer.backends.reference"
+
+    @property
+    def op_backend(self) -> str:  # type: ignore[override]  (chosen per host and environment)
+        return cpu_op_backend()
 
     @classmethod
     def detect(cls) -> Detection:

@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from tests.conftest import REPO_ROOT
@@ -51,3 +52,66 @@ def test_console_script_is_installed() -> None:
     script = Path(sys.executable).parent / "deepinfer"
     proc = subprocess.run([str(script), "--help"], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0 and "run" in proc.stdout
+
+
+def deepinfer(args: list[str], timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "deepinfer.cli", *args],
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=timeout,
+        env={**os.environ, "DEEPINFER_ACCELERATOR": "cpu", "DEEPINFER_MALLOC_TUNING": "0"},
+    )  # fmt: skip
+
+
+def one_line_error(proc: subprocess.CompletedProcess, *words: str) -> None:
+    """A user error: exit code 2, one line on stderr naming the problem, nothing loaded."""
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr
+    assert all(w in lines[0] for w in words), lines[0]
+    assert "Traceback" not in proc.stderr and "engine ready" not in proc.stderr
+
+
+def test_run_errors_are_one_line_before_the_model_loads(tiny_model: Path, tmp_path: Path) -> None:
+    one_line_error(
+        deepinfer(["run", "--model", str(tiny_model), "--temperature", "-1", "hi"]), "--temperature"
+    )
+    one_line_error(
+        deepinfer(["run", "--model", str(tiny_model), "--file", str(tmp_path / "missing.txt")]), "--file"
+    )
+    one_line_error(deepinfer(["run", "--model", str(tiny_model), "--max-tokens", "x", "hi"]), "--max-tokens")
+
+
+def test_serve_errors_are_one_line_before_the_model_loads(tiny_model: Path) -> None:
+    import socket
+
+    one_line_error(deepinfer(["serve", "--model", str(tiny_model), "--port", "99999"]), "--port", "99999")
+    one_line_error(deepinfer(["serve", "--model", str(tiny_model), "--api-key", ""]), "--api-key")
+    one_line_error(deepinfer(["serve", "--model", str(tiny_model), "--drain-timeout", "-1"]), "drain")
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = str(busy.getsockname()[1])
+        start = time.monotonic()
+        proc = deepinfer(["serve", "--model", str(tiny_model), "--port", port])
+        one_line_error(proc, "cannot listen", port)
+        assert time.monotonic() - start < 20  # no model was loaded first
+
+
+def test_serve_warns_about_a_public_address_without_a_key(tiny_model: Path) -> None:
+    import socket
+
+    with socket.socket() as busy:  # the port is taken, so the command stops right after the warning
+        busy.bind(("0.0.0.0", 0))
+        busy.listen()
+        proc = deepinfer(
+            ["serve", "--model", str(tiny_model), "--host", "0.0.0.0", "--port", str(busy.getsockname()[1])]
+        )
+    assert proc.returncode == 2 and "without an API key" in proc.stderr and "cannot listen" in proc.stderr
+
+
+def test_help_shows_the_defaults() -> None:
+    proc = deepinfer(["serve", "--help"])
+    assert proc.returncode == 0
+    text = " ".join(proc.stdout.split())
+    assert "(default: 8000)" in text and "(default: 30.0)" in text and "(default: 1024)" in text
+    run_help = " ".join(deepinfer(["run", "--help"]).stdout.split())
+    assert "(default: 128)" in run_help and "(default: 0.0)" in run_help

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from deepinfer.bench.report import git_commit
 from deepinfer.bench.workload import Workload
-from deepinfer.cli import MALLOC_TUNABLES
+from deepinfer.malloc_tuning import MALLOC_TUNABLES
 from deepinfer.tokenizer import Tokenizer
 
 DRIVERS = {

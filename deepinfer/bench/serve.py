@@ -1,4 +1,6 @@
-"""Serving load generator: Poisson arrivals against a running ``deepinfer serve``, loopback only.
+"""Serving load generator: Poisson arrivals (or a closed loop of N clients) against a running
+``deepinfer serve``, loopback only; ``compare_offline`` measures it side by side with the offline
+engine on the same prompts.
 
 Each request streams an OpenAI completion of a workload prompt (token ids, EOS ignored, a fixed output
 length), so the measurements are the server's: time to first token, time per output token (after the
@@ -17,6 +19,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -87,6 +90,64 @@ async def run_load(
     return summarise(results, wall, request_rate)
 
 
+async def run_concurrent(
+    url: str,
+    model: str,
+    prompts: list[list[int]],
+    output_len: int,
+    concurrency: int,
+    api_key: str | None = None,
+) -> dict:
+    """Closed loop: ``concurrency`` clients, each sending its next prompt as soon as its last one
+    finished (saturation when ``concurrency`` covers the engine's batch)."""
+    import httpx
+
+    pending = list(reversed(prompts))
+    results: list[RequestResult] = []
+    limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4)
+
+    async def client_loop(client) -> None:
+        while pending:
+            results.append(await _one(client, url, model, pending.pop(), output_len, api_key))
+
+    start = time.perf_counter()
+    async with httpx.AsyncClient(timeout=httpx.Timeout(600), limits=limits) as client:
+        await asyncio.gather(*(client_loop(client) for _ in range(concurrency)))
+    summary = summarise(results, time.perf_counter() - start, float("inf"))
+    summary["concurrency"] = concurrency
+    return summary
+
+
+def compare_offline(
+    url: str, model: str, llm, workload, prompts: list[list[int]], concurrency: int, reps: int
+) -> dict:
+    """``deepinfer bench serve`` against ``deepinfer bench offline`` on the same prompts, alternating
+    (offline, served, offline, served, ...): output tokens/s of each run, medians, and their ratio.
+    ``llm``: an in-process ``LLM`` built with the server's engine options."""
+    from deepinfer.bench.offline import run_offline
+
+    offline, served = [], []
+    for _ in range(reps):
+        result = run_offline(llm, workload, prompts)
+        offline.append(result["output_tokens_per_s"])
+        run = asyncio.run(run_concurrent(url, model, prompts, workload.output_len, concurrency))
+        if run["completed"] != len(prompts):
+            raise RuntimeError(f"served run lost requests: {run['errors']}")
+        served.append(run["output_tokens_per_s"])
+    off, srv = statistics.median(offline), statistics.median(served)
+    return {
+        "offline_output_tokens_per_s": offline,
+        "served_output_tokens_per_s": served,
+        "offline_median": off,
+        "served_median": srv,
+        "served_over_offline": srv / off,
+        "concurrency": concurrency,
+        "reps": reps,
+        "last_served_run": run,
+        "env": result["env"],
+    }
+
+
 def summarise(results: list[RequestResult], wall: float, request_rate: float) -> dict:
     ok = [r for r in results if r.error is None and r.ttft_s is not None]
     ttft = [r.ttft_s for r in ok]
@@ -129,15 +190,16 @@ def launch(model: str, server_args: list[str], timeout_s: float = 300) -> Iterat
     port = free_port()
     cmd = [sys.executable, "-m", "deepinfer.cli", "serve", "--model", model, "--host", LOOPBACK, "--port", str(port),
            "--log-level", "warning", *server_args]  # fmt: skip
-    proc = subprocess.Popen(cmd, env={**os.environ}, stderr=subprocess.PIPE, text=True)
+    # a file, not a pipe: a chatty server never blocks on it; closed in the finally below
+    errors = tempfile.TemporaryFile("w+")  # noqa: SIM115
+    proc = subprocess.Popen(cmd, env={**os.environ}, stderr=errors, text=True)
     url = f"http://{LOOPBACK}:{port}"
     try:
         deadline = time.monotonic() + timeout_s
         while True:
             if proc.poll() is not None:
-                raise RuntimeError(
-                    f"deepinfer serve exited ({proc.returncode}): {proc.stderr.read()[-2000:]}"
-                )
+                errors.seek(0)
+                raise RuntimeError(f"deepinfer serve exited ({proc.returncode}): {errors.read()[-2000:]}")
             with contextlib.suppress(httpx.HTTPError):
                 if httpx.get(f"{url}/health", timeout=2).status_code == 200:
                     break
@@ -148,7 +210,8 @@ def launch(model: str, server_args: list[str], timeout_s: float = 300) -> Iterat
     finally:
         proc.terminate()
         try:
-            proc.wait(timeout=30)
+            proc.wait(timeout=60)
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+        errors.close()

@@ -63,9 +63,14 @@ class KVCacheManager:
             if block is None:
                 break
             hits.append(block)
-        self.prefix_queries += request.num_tokens
-        self.prefix_hits += len(hits) * self.block_size
         return hits
+
+    def record_prefix_lookup(self, request: Request, num_cached_tokens: int) -> None:
+        """Count one admission's prefix-cache lookup (the hit-rate counters): called once when the
+        request is admitted, not on every attempt to schedule it while it waits for room."""
+        if self.pool.enable_prefix_caching:
+            self.prefix_queries += request.num_tokens
+            self.prefix_hits += num_cached_tokens
 
     # ------------------------------------------------------------------ allocation
     def allocate(

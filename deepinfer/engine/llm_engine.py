@@ -36,9 +36,11 @@ from deepinfer.platform.interface import Platform
 from deepinfer.platform.registry import resolve_platform, set_current_platform
 from deepinfer.sampling_params import SamplingParams
 from deepinfer.structured.manager import StructuredOutputs
+from deepinfer.text_input import require_valid_text
 from deepinfer.tokenizer import Tokenizer
 from deepinfer.worker import calibration
 from deepinfer.worker.graphs import DecodeGraphs
+from deepinfer.worker.inputs import InputBuilder
 from deepinfer.worker.model_runner import ModelRunner, RunnerOutput
 from deepinfer.worker.spec_decode import ConfidenceHead, MTPProposer
 
@@ -88,6 +90,8 @@ class LLMEngine:
         c = self.model_config
         self.cache_spec = ops.kv_cache_spec(c.kv_lora_rank, c.qk_rope_head_dim, self.dtype)
         num_blocks = self._num_kv_blocks()
+        self.num_draft_tokens, confidence = self._speculation()
+        self.max_model_len = self._fit_context(num_blocks, self.num_draft_tokens)
         # Graph padding rows read and write one reserved block past the ones the manager hands out.
         cache_blocks = num_blocks + 1 if config.graph_capture else num_blocks
         self.kv_caches = [
@@ -98,16 +102,18 @@ class LLMEngine:
                 for tensor in layer:
                     tensor.zero_()  # padding rows read the reserved block: keep it finite
         self.kv_cache = KVCacheManager(num_blocks, self.cache_spec.block_size, config.enable_prefix_caching)
-        self.runner = ModelRunner(
-            self.model,
-            self.kv_caches,
-            self.cache_spec.block_size,
-            self.device,
-            self.eos_token_ids,
-            self.platform.synchronize,
+        self.structured = StructuredOutputs(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
+        # Deterministic mode: one attention path for every token (prompt chunks take the absorbed decode
+        # path too), so a token's attention does not depend on chunking, prefix-cache hits or speculation.
+        decode_query_len = config.max_num_batched_tokens if self.deterministic else 1 + self.num_draft_tokens
+        inputs = InputBuilder(self.cache_spec.block_size, self.device, decode_query_len)
+        proposer = (
+            MTPProposer(self.model, self.kv_caches, inputs, self.num_draft_tokens, confidence)
+            if self.num_draft_tokens
+            else None
         )
-        if config.graph_capture:
-            self.runner.graphs = DecodeGraphs(
+        graphs = (
+            DecodeGraphs(
                 self.model,
                 self.kv_caches,
                 self.platform.graph,
@@ -118,13 +124,21 @@ class LLMEngine:
                 self.device,
                 active_ops().graph_session,
             )
-        self.structured = StructuredOutputs(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
-        self.runner.structured = self.structured
-        self.num_draft_tokens = self._setup_speculation()
-        if self.deterministic:
-            # One attention path for every token: prompt chunks take the absorbed (decode) path too, so a
-            # token's attention does not depend on chunking, prefix-cache hits or speculation.
-            self.runner.decode_query_len = config.max_num_batched_tokens
+            if config.graph_capture
+            else None
+        )
+        self.kv_connector = self._kv_store(folder, tokenizer_dir) if config.kv_store is not None else None
+        self.runner = ModelRunner(
+            self.model,
+            self.kv_caches,
+            inputs,
+            self.eos_token_ids,
+            self.platform.synchronize,
+            structured=self.structured,
+            proposer=proposer,
+            graphs=graphs,
+            kv_connector=self.kv_connector,
+        )
         self.spec_stats = SpecDecodeStats()
         self.cost_model = self._cost_model() if config.step_time_budget_ms else None
         budget = config.max_num_batched_tokens
@@ -139,8 +153,9 @@ class LLMEngine:
             ),
             self.kv_cache,
             self.cost_model,
+            self.kv_connector,
         )
-        self.outputs = OutputProcessor(self.tokenizer)
+        self.outputs = OutputProcessor(self.tokenizer, config.detokenize)
         self._rng = random.Random(config.seed)
         self._ids = itertools.count()
         self._children: dict[str, list[str]] = {}
@@ -168,15 +183,42 @@ class LLMEngine:
             ids.add(self.tokenizer.eos_token_id)
         return frozenset(ids)
 
-    def _setup_speculation(self) -> int:
-        """Attach the MTP drafter to the runner; returns the drafts per request per step (0: off)."""
+    def _kv_store(self, folder: Path, tokenizer_dir: Path):
+        """The KV store connector (deepinfer/kvstore), passed to the runner."""
+        from deepinfer.kvstore.connector import StoreConnector
+
+        if not self.config.enable_prefix_caching:
+            raise ValueError(
+                "kv_store needs enable_prefix_caching=True (blocks are named by their prefix hash)"
+            )
+        c = self.model_config
+        connector = StoreConnector(
+            self.config.kv_store,
+            self.kv_caches,
+            self.cache_spec,
+            [c.window_of(i) for i in range(c.num_hidden_layers)],
+            folder,
+            tokenizer_dir,
+            self.kv_cache.pool,
+            pin_memory=self.platform.device_type != "cpu",
+            synchronize=self.platform.synchronize,
+        )
+        return connector
+
+    def kv_store_stats(self) -> dict | None:
+        """The KV store's counters as plain data (``deepinfer.kvstore.metrics``); None when it is off."""
+        return self.kv_connector.stats() if self.kv_connector is not None else None
+
+    def _speculation(self) -> tuple[int, tuple[ConfidenceHead, float] | None]:
+        """Drafts per request per step (0: speculative decoding off) and, for mtp-confidence, the
+        confidence head (on the device) and its threshold."""
         config = self.config
         if config.speculative is None:
             if config.num_draft_tokens is not None or config.confidence_threshold is not None:
                 raise ValueError(
                     "num_draft_tokens and confidence_threshold need speculative='mtp' or 'mtp-confidence'"
                 )
-            return 0
+            return 0, None
         if config.async_scheduling:
             raise ValueError("speculative decoding does not combine with async_scheduling yet; choose one")
         k = max(1, self.model_config.num_nextn_predict_layers)
@@ -188,10 +230,7 @@ class LLMEngine:
                 head.to(self.device),
                 threshold if config.confidence_threshold is None else config.confidence_threshold,
             )
-        k = config.num_draft_tokens or k
-        self.runner.decode_query_len = 1 + k
-        self.runner.proposer = MTPProposer(self.model, self.kv_caches, self.runner.prepare, k, confidence)
-        return k
+        return config.num_draft_tokens or k, confidence
 
     def _cost_model(self) -> StepCostModel:
         """The calibrated step cost model (measured once per platform/chip/model/dtype, then cached),
@@ -222,14 +261,36 @@ class LLMEngine:
             if self.platform.device_type == "cpu":
                 budget = min(budget, CPU_KV_CACHE_CAP)
         blocks = budget // per_block
-        needed = -(-self.max_model_len // self.cache_spec.block_size)
-        if blocks < needed:
+        if blocks <= 0:
             raise ValueError(
-                f"KV cache of {budget / 2**30:.2f} GiB holds {blocks} blocks, fewer than the {needed} one "
-                f"request of max_model_len={self.max_model_len} needs; lower max_model_len or raise "
+                f"a KV cache of {budget / 2**30:.3f} GiB holds no block of {per_block} bytes; raise "
                 "kv_cache_memory_gib"
             )
         return blocks
+
+    def _fit_context(self, num_blocks: int, lookahead: int) -> int:
+        """The context length one request may use: ``max_model_len`` when the whole KV cache can hold a
+        request that long (with its draft slots), else a startup error naming both numbers; without
+        an explicit ``max_model_len``, the model's maximum is lowered to what the cache holds (logged)."""
+        bs = self.cache_spec.block_size
+        capacity = num_blocks * bs - lookahead
+        if self.max_model_len <= capacity:
+            return self.max_model_len
+        holds = f"{num_blocks} KV blocks of {bs} tokens hold {num_blocks * bs} tokens" + (
+            f" ({lookahead} per request kept for drafts)" if lookahead else ""
+        )
+        if self.config.max_model_len is not None:
+            raise ValueError(
+                f"max_model_len={self.max_model_len} is larger than the KV cache can hold: {holds}, so one "
+                f"request fits at most {capacity} tokens; lower max_model_len or raise num_kv_blocks / "
+                "kv_cache_memory_gib"
+            )
+        if capacity < 2:
+            raise ValueError(f"the KV cache is too small for any request: {holds}; raise num_kv_blocks")
+        logger.warning(
+            "context length lowered from the model's %d to %d tokens: %s", self.max_model_len, capacity, holds
+        )
+        return capacity
 
     # ------------------------------------------------------------------ requests
     def new_request_id(self) -> str:
@@ -243,17 +304,22 @@ class LLMEngine:
         params: SamplingParams,
     ) -> None:
         """Queue a request. Give ``prompt`` (text, tokenized here), ``prompt_token_ids``, or both
-        (the ids are used; the text is echoed back in outputs)."""
-        if request_id in self._children:
+        (the ids are used; the text is echoed back in outputs). Bad input raises ValueError naming
+        what is wrong; whatever it raises, nothing of the request stays behind (no matcher, output
+        state or queued child), so the engine goes on serving the others."""
+        child_ids = [request_id] if params.n == 1 else [f"{request_id}#{i}" for i in range(params.n)]
+        if request_id in self._children or any(c in self.outputs.parent_of for c in child_ids):
             raise ValueError(f"request id {request_id!r} is already in use")
         if prompt_token_ids is None:
             if prompt is None:
                 raise ValueError("a request needs a prompt or prompt_token_ids")
             if self.tokenizer is None:
                 raise ValueError("this model folder has no tokenizer.json; pass prompt_token_ids")
-            prompt_token_ids = self.tokenizer.encode(prompt)
+            prompt_token_ids = self.tokenizer.encode(require_valid_text(prompt, "prompt"))
         prompt_token_ids = list(prompt_token_ids)
         self._validate_prompt(prompt_token_ids)
+        if self.kv_connector is not None:
+            self.kv_connector.check_class(params.traffic_class)
         room = self.max_model_len - len(prompt_token_ids)
         if params.max_tokens is not None and params.max_tokens > room:
             raise ValueError(
@@ -262,32 +328,36 @@ class LLMEngine:
             )
         max_tokens = params.max_tokens or room
         base_seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
-        children = []
-        for i in range(params.n):
-            child_id = request_id if params.n == 1 else f"{request_id}#{i}"
-            seed = base_seed if i == 0 else (base_seed * 1_000_003 + i) % (1 << 63)
-            children.append(
-                Request(
-                    request_id=child_id,
-                    prompt_token_ids=prompt_token_ids,
-                    sampling_params=params,
-                    seed=seed,
-                    max_tokens=max_tokens,
-                    eos_token_ids=self.eos_token_ids,
-                    arrival_time=time.monotonic(),
-                )
+        children = [
+            Request(
+                request_id=child_id,
+                prompt_token_ids=prompt_token_ids,
+                sampling_params=params,
+                seed=base_seed if i == 0 else (base_seed * 1_000_003 + i) % (1 << 63),
+                max_tokens=max_tokens,
+                eos_token_ids=self.eos_token_ids,
+                arrival_time=time.monotonic(),
             )
+            for i, child_id in enumerate(child_ids)
+        ]
         try:
             for child in children:
                 self.structured.add(child.request_id, params)
-        except ValueError:
+            self.outputs.add(request_id, prompt, children)
             for child in children:
-                self.structured.remove(child.request_id)
+                self.scheduler.add_request(child)
+        except BaseException:
+            self._discard(request_id, children)
             raise
-        self.outputs.add(request_id, prompt, children)
+        self._children[request_id] = child_ids
+
+    def _discard(self, request_id: str, children: list[Request]) -> None:
+        """Undo a partly added request: its matchers, output state and queued children."""
         for child in children:
-            self.scheduler.add_request(child)
-        self._children[request_id] = [c.request_id for c in children]
+            self.structured.remove(child.request_id)
+            if self.scheduler.requests.get(child.request_id) is child:
+                self.scheduler.finish_requests([child.request_id], RequestStatus.FINISHED_ABORTED)
+        self.outputs.discard(request_id)
 
     def _validate_prompt(self, ids: list[int]) -> None:
         if not ids:
@@ -324,6 +394,8 @@ class LLMEngine:
             return self._step_async()
         scheduled = self.scheduler.schedule()
         if scheduled.is_empty:
+            if self.kv_connector is not None:
+                self.kv_connector.idle_wait()  # nothing runs: wait a moment for a KV-store load
             return []
         return self._apply(scheduled, self._execute(scheduled))
 
@@ -367,7 +439,8 @@ class LLMEngine:
 
     def _apply(self, scheduled: SchedulerOutput, result: RunnerOutput) -> list[RequestOutput]:
         for rid, entries in result.prompt_logprobs.items():
-            self.outputs.record_prompt_logprobs(rid, entries)
+            if rid in self.scheduler.requests:  # not aborted while the step ran (async scheduling)
+                self.outputs.record_prompt_logprobs(rid, entries)
         self.scheduler.observe_step_time(scheduled, result.seconds)
         updated = self.scheduler.update_from_output(scheduled, result.sampled, result.drafts)
         self.spec_stats.record(result)

@@ -44,8 +44,9 @@ class RequestState:
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer: Tokenizer | None) -> None:
+    def __init__(self, tokenizer: Tokenizer | None, detokenize: bool = True) -> None:
         self.tokenizer = tokenizer
+        self.detokenize = detokenize  # False: text only where stop strings need it; logprobs undecoded
         self.states: dict[str, RequestState] = {}
         self.parent_of: dict[str, str] = {}
 
@@ -66,7 +67,7 @@ class OutputProcessor:
         for index, child in enumerate(children):
             detok = (
                 IncrementalDetokenizer(self.tokenizer, child.prompt_token_ids, params.skip_special_tokens)
-                if (self.tokenizer is not None)
+                if self.tokenizer is not None and (self.detokenize or params.stop)
                 else None
             )
             state.completions.append(
@@ -82,8 +83,17 @@ class OutputProcessor:
             self.parent_of[child.request_id] = request_id
         self.states[request_id] = state
 
+    def discard(self, request_id: str) -> None:
+        """Forget a request without an output (it was never queued); unknown ids are ignored."""
+        state = self.states.pop(request_id, None)
+        if state is not None:
+            for child in state.children:
+                self.parent_of.pop(child, None)
+
     def _decode_token(self, token: int) -> str:
-        return self.tokenizer.decode([token], skip_special_tokens=False) if self.tokenizer else ""
+        if self.tokenizer is None or not self.detokenize:
+            return ""
+        return self.tokenizer.decode([token], skip_special_tokens=False)
 
     def record_prompt_logprobs(
         self, child_id: str, entries: list[tuple[int, list[tuple[int, float, int]]]]

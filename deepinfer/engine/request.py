@@ -52,6 +52,7 @@ class Request:
     num_preemptions: int = 0
     block_hashes: list[bytes] = field(default_factory=list)
     spec_token_ids: list[int] = field(default_factory=list)  # drafts to verify in the next step
+    kv_write_floor: int = 0  # SWA replay after a KV-store hit: full-attention layers keep rows below it
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:

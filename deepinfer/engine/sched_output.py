@@ -27,6 +27,7 @@ class ScheduledRequest:
     prompt_token_ids: list[int]  # read for repetition penalties and prompt logprobs
     output_token_ids: list[int]  # read for penalties; also the sampling offset (its length)
     num_draft_tokens: int = 0  # the last this-many of token_ids are speculative drafts to verify
+    write_floor: int = 0  # full-attention layers write no KV below this position (SWA replay, kvstore)
 
     @property
     def num_new_tokens(self) -> int:
@@ -37,6 +38,8 @@ class ScheduledRequest:
 class SchedulerOutput:
     requests: list[ScheduledRequest]
     preempted_ids: list[str] = field(default_factory=list)
+    # KV store: (key, device block id, traffic class) of blocks complete after this step, to save
+    kv_saves: list[tuple[bytes, int, str]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:

@@ -15,11 +15,15 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from deepinfer.engine.cost_model import StepCostModel
 from deepinfer.engine.kv_cache_manager import KVCacheManager
 from deepinfer.engine.request import Request, RequestStatus
 from deepinfer.engine.sched_output import PLACEHOLDER, ScheduledRequest, SchedulerOutput
+
+if TYPE_CHECKING:
+    from deepinfer.kvstore.connector import StoreConnector
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,7 +48,11 @@ class SchedulerConfig:
 
 class Scheduler:
     def __init__(
-        self, config: SchedulerConfig, kv_cache: KVCacheManager, cost_model: StepCostModel | None = None
+        self,
+        config: SchedulerConfig,
+        kv_cache: KVCacheManager,
+        cost_model: StepCostModel | None = None,
+        connector: StoreConnector | None = None,
     ) -> None:
         if config.step_time_budget_s is not None and cost_model is None:
             raise ValueError("a step time budget needs a cost model")
@@ -58,16 +66,35 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self.connector = connector  # the KV store (deepinfer/kvstore): loads at admission, saves blocks
 
     # ------------------------------------------------------------------ requests
     def add_request(self, request: Request) -> None:
+        """Queue a request; raises ValueError for a duplicate id or one that can never fit the cache."""
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
+        self.check_fits(request.num_prompt_tokens, request.max_tokens)
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
+    def check_fits(self, num_prompt_tokens: int, max_tokens: int) -> None:
+        """Raise ValueError when a request of this many prompt and new tokens could never be held by
+        the whole KV cache (with its draft slots): admitted, it would wait for blocks forever."""
+        bs = self.kv.block_size
+        num_blocks = self.kv.pool.num_blocks
+        lookahead = self.config.num_lookahead_tokens
+        if -(-(num_prompt_tokens + max_tokens + lookahead) // bs) > num_blocks:
+            drafts = f", {lookahead} per request kept for drafts" if lookahead else ""
+            raise ValueError(
+                f"the prompt's {num_prompt_tokens} tokens plus max_tokens={max_tokens} do not fit the KV "
+                f"cache, {num_blocks} blocks of {bs} tokens ({num_blocks * bs} tokens{drafts}); lower "
+                "max_tokens or shorten the prompt"
+            )
+
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(
+            self.waiting or self.running or (self.connector is not None and self.connector.num_loading)
+        )
 
     def finish_requests(
         self, request_ids: Iterable[str], status: RequestStatus, reason: str | None = None
@@ -80,13 +107,15 @@ class Scheduler:
                 continue
             if request.status is RequestStatus.RUNNING:
                 self.running.remove(request)
-            else:
+            elif self.connector is None or not self.connector.is_loading(request):
                 self.waiting.remove(request)
             self._finish(request, status, reason)
 
     def _finish(self, request: Request, status: RequestStatus, reason: int | str | None) -> None:
         request.status = status
         request.stop_reason = reason
+        if self.connector is not None:
+            self.connector.cancel(request)
         self.kv.free(request)
         del self.requests[request.request_id]
 
@@ -121,24 +150,37 @@ class Scheduler:
                 step.take(num_new + len(drafts), request.num_computed_tokens)
                 index += 1
 
+        if self.connector is not None:  # KV store loads that completed: admit those requests first
+            self.waiting.extendleft(reversed(self.connector.poll()))
         if not preempted:
             while self.waiting and step.tokens > 0 and len(self.running) < self.config.max_num_seqs:
                 request = self.waiting[0]
                 cached = self.kv.find_cached_prefix(request)
+                # KV store: a request whose further blocks are stored waits while they load, and
+                # (sliding-window models) replays the tokens whose window state the hit lacks.
+                if self.connector is not None and self.connector.begin_load(request, cached):
+                    self.waiting.popleft()
+                    continue
                 num_cached = len(cached) * self.kv.block_size
-                num_new = step.chunk(request.num_tokens - num_cached, num_cached)
-                if num_new == 0 or not self.kv.allocate(request, num_new, cached, lookahead=lookahead):
+                start = num_cached - (self.connector.replay_tokens(request, cached) if self.connector else 0)
+                num_new = step.chunk(request.num_tokens - start, start)
+                if num_new == 0 or not self.kv.allocate(
+                    request, max(0, start + num_new - num_cached), cached, lookahead=lookahead
+                ):
                     break
                 self.waiting.popleft()
-                request.num_computed_tokens = num_cached
+                self.kv.record_prefix_lookup(request, num_cached)
+                request.num_computed_tokens = start
+                request.kv_write_floor = num_cached if start < num_cached else 0
                 if request.num_cached_tokens < 0:
-                    request.num_cached_tokens = num_cached
+                    request.num_cached_tokens = start
                 request.status = RequestStatus.RUNNING
                 self.running.append(request)
                 picked.append((request, num_new, []))
-                step.take(num_new, num_cached)
+                step.take(num_new, start)
 
         scheduled = []
+        kv_saves = []
         for request, num_new, drafts in picked:
             start = request.num_computed_tokens
             token_ids = request.all_token_ids[start : start + num_new]
@@ -158,11 +200,14 @@ class Scheduler:
                     prompt_token_ids=request.prompt_token_ids,
                     output_token_ids=request.output_token_ids,
                     num_draft_tokens=len(drafts),
+                    write_floor=request.kv_write_floor,
                 )
             )
+            if self.connector is not None:
+                kv_saves += self.connector.saves(request, start + num_new, scheduled[-1].block_ids)
             request.num_computed_tokens = start + num_new + len(drafts)
             request.num_pending_tokens += samples
-        return SchedulerOutput(scheduled, preempted)
+        return SchedulerOutput(scheduled, preempted, kv_saves)
 
     FEEDBACK_WINDOW = 64  # recent chunked steps whose measured / predicted times set the scale
     FEEDBACK_QUANTILE = 0.9
@@ -195,7 +240,10 @@ class Scheduler:
         return request.spec_token_ids[: max(0, limit)]
 
     def _preempt(self, request: Request) -> None:
+        if self.connector is not None:
+            self.connector.cancel(request)
         self.kv.free(request)
+        request.kv_write_floor = 0
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_pending_tokens = 0  # a token in flight is still appended when it arrives

@@ -68,7 +68,8 @@ class MLAAttention(nn.Module):
         kv_c, k_pe = self.kv_a_proj_with_mqa(hidden).split((self.latent, self.rope_dim), dim=-1)
         kv_c = self.kv_a_layernorm(kv_c)
         q_pe, k_pe = ops.rope(q_pe, k_pe, positions, cos_sin, self.interleaved)
-        ops.kv_cache_write(kv_c, k_pe, kv_cache, meta.slot_mapping)
+        keep_cached = self.window is None and meta.full_slot_mapping is not None
+        ops.kv_cache_write(kv_c, k_pe, kv_cache, meta.full_slot_mapping if keep_cached else meta.slot_mapping)
 
         out = hidden.new_empty(num_tokens, self.heads, self.v_dim)
         num_decode = meta.num_decode_tokens

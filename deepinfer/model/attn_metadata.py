@@ -44,6 +44,9 @@ class AttentionMetadata:
     slot_mapping: Tensor  # [T] int64, negative = padding token (not written)
     decode: DecodeMetadata | None
     prefill: PrefillMetadata | None
+    # Slots full-attention layers write, when some tokens are below a request's write floor (SWA
+    # replay after a KV-store hit: those rows are cached and shared, so they are not rewritten).
+    full_slot_mapping: Tensor | None = None
 
     @property
     def num_decode_tokens(self) -> int:

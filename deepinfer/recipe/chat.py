@@ -184,7 +184,7 @@ class ChatRecipe:
     def parser(self, prompt_token_ids: Sequence[int] = (), stop: Sequence[str] = ()) -> ChatOutputParser:
         """An incremental parser for one completion of ``prompt_token_ids`` (a prompt ending in
         ``<think>`` starts in reasoning). ``stop``: the request's stop strings, held back while streaming."""
-        return ChatOutputParser(self, prompt_token_ids, stop)
+        return ChatOutputParser(self.tokenizer, self.control, prompt_token_ids, stop)
 
     def decode_chat(self, token_ids: Sequence[int], prompt_token_ids: Sequence[int] = ()) -> ParsedMessage:
         """Parse a whole completion into reasoning, answer and tool calls."""

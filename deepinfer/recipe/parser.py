@@ -20,15 +20,14 @@ from __future__ import annotations
 import enum
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
 from deepinfer.engine.detokenizer import IncrementalDetokenizer
 from deepinfer.recipe import tokens as T
 from deepinfer.recipe.messages import ToolCall
 from deepinfer.recipe.stop_strings import StopStringBuffer
-
-if TYPE_CHECKING:
-    from deepinfer.recipe.chat import ChatRecipe
+from deepinfer.recipe.tokens import ControlTokens
+from deepinfer.tokenizer import Tokenizer
 
 BlockKind = Literal["reasoning", "text", "tool_call"]
 
@@ -106,13 +105,19 @@ class ChatOutputParser:
     then ``finish`` once; each returns the events they produced. ``result`` is the message so far."""
 
     def __init__(
-        self, recipe: ChatRecipe, prompt_token_ids: Sequence[int] = (), stop: Sequence[str] = ()
+        self,
+        tokenizer: Tokenizer,
+        control: ControlTokens,
+        prompt_token_ids: Sequence[int] = (),
+        stop: Sequence[str] = (),
     ) -> None:
-        self._recipe = recipe
+        """``tokenizer`` decodes text and tool names; ``control`` names the chat template's control
+        tokens (``ChatRecipe.parser`` passes its own)."""
+        self._tokenizer = tokenizer
         self._stop = tuple(stop)
-        self._marker_of = {i: m for m, i in recipe.control.ids.items()}
-        self._control_ids = recipe.control.all_ids
-        think = recipe.control.ids.get(T.THINK_BEGIN)
+        self._marker_of = {i: m for m, i in control.ids.items()}
+        self._control_ids = control.all_ids
+        think = control.ids.get(T.THINK_BEGIN)
         starts_thinking = bool(prompt_token_ids) and prompt_token_ids[-1] == think
         self._state = _State.REASONING if starts_thinking else _State.TEXT
         self.result = ParsedMessage()
@@ -159,7 +164,7 @@ class ChatOutputParser:
             self._switch(_State.TOOL_NAME, events)
             self._name_ids = []
         elif marker == T.TOOL_SEP and state is _State.TOOL_NAME:
-            name = self._recipe.tokenizer.decode(self._name_ids, skip_special_tokens=False).strip()
+            name = self._tokenizer.decode(self._name_ids, skip_special_tokens=False).strip()
             self._state = _State.TOOL_ARGUMENTS
             self._start(Block("tool_call", name=name), events)
 
@@ -169,7 +174,7 @@ class ChatOutputParser:
 
     def _text(self, token: int, events: list[ChatEvent]) -> None:
         if self._detok is None:
-            self._detok = IncrementalDetokenizer(self._recipe.tokenizer, [], skip_special_tokens=False)
+            self._detok = IncrementalDetokenizer(self._tokenizer, [], skip_special_tokens=False)
             self._buffer = StopStringBuffer(self._stop)
         self._emit(self._buffer.push(self._detok.add(token)), events)
 

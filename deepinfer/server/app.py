@@ -1,40 +1,38 @@
-"""The FastAPI application: routes, error handlers, the request guard, and the engine thread's
-lifetime (started with the app, stopped when it shuts down)."""
+"""The FastAPI application: routes, error handlers, the request guard, and the engine client's
+lifetime (its cores start with the app and are shut down with it)."""
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
 from deepinfer import __version__
+from deepinfer.core.client import EngineClient
 from deepinfer.server.api import chat, completions, messages, ops, responses
-from deepinfer.server.async_engine import AsyncEngine
 from deepinfer.server.config import ServerConfig
 from deepinfer.server.context import ServingContext
 from deepinfer.server.errors import install_error_handlers
 from deepinfer.server.metrics import ServerMetrics
 from deepinfer.server.middleware import RequestGuard
-
-if TYPE_CHECKING:
-    from deepinfer.engine.llm_engine import LLMEngine
+from deepinfer.tokenizer import Tokenizer
 
 
-def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
-    """An app serving ``engine``. The engine thread starts when the app starts (ASGI lifespan)."""
-    async_engine = AsyncEngine(engine, config.max_queued_requests)
-    metrics = ServerMetrics(lambda: async_engine.stats, lambda: async_engine.num_in_flight)
+def build_app(client: EngineClient, config: ServerConfig, tokenizer: Tokenizer | None) -> FastAPI:
+    """An app serving through ``client``. The app's startup starts the client's cores and waits
+    until they are ready (ASGI lifespan); its shutdown stops them."""
+    metrics = ServerMetrics(lambda: client.stats, lambda: client.num_in_flight)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        async_engine.start()
+        await client.start()
         try:
             yield
         finally:
-            async_engine.stop()
+            await client.stop()
 
     app = FastAPI(
         title="deepinfer",
@@ -42,11 +40,16 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
         summary="OpenAI- and Anthropic-compatible API for DeepSeek-family models",
         lifespan=lifespan,
     )
-    app.state.serving = ServingContext(async_engine, config.served_model_name, metrics, config.retry_after_s)
+    app.state.serving = ServingContext(client, config, metrics, tokenizer)
     for api in (chat, completions, responses, messages, ops):
         app.include_router(api.router)
     install_error_handlers(app)
-    app.add_middleware(RequestGuard, api_key=config.api_key, max_body_bytes=config.max_request_bytes)
+    app.add_middleware(
+        RequestGuard,
+        api_key=config.api_key,
+        max_body_bytes=config.max_request_bytes,
+        body_timeout_s=config.body_timeout_s,
+    )
     app.openapi = lambda: _openapi(app)
     return app
 

@@ -20,10 +20,10 @@ from dataclasses import dataclass, replace
 
 from starlette.requests import Request
 
+from deepinfer.core.client import RequestStream
 from deepinfer.outputs import CompletionOutput, Logprob, RequestOutput
 from deepinfer.recipe import BlockDelta, ChatEvent, ParsedMessage, StopStringBuffer
 from deepinfer.sampling_params import SamplingParams
-from deepinfer.server.async_engine import RequestStream
 from deepinfer.server.context import ServingContext
 from deepinfer.server.errors import ApiError
 from deepinfer.server.metrics import RequestMeter

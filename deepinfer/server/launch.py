@@ -1,8 +1,18 @@
-"""``deepinfer serve``: build the engine, then run the app with uvicorn until interrupted."""
+"""``deepinfer serve``: check the settings, bind the port, start the engine core process, serve.
+
+Everything a user can get wrong is checked before the model loads and reported in one line: the
+settings (``EngineConfig`` / ``ServerConfig`` validation), an empty ``--api-key``, the model folder,
+and the port (bound here, first). The engine core runs in its own process (``deepinfer.core``);
+this process is the API front.
+"""
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import os
+import socket
+import sys
 from pathlib import Path
 
 from deepinfer import envs
@@ -15,6 +25,17 @@ def _default(config: type[EngineConfig | ServerConfig], field: str) -> object:
     return config.model_fields[field].default
 
 
+def port_number(text: str) -> int:
+    """argparse type: a TCP port, 0..65535."""
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port number") from None
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"{port} is not a port number (0..65535; 0 picks a free one)")
+    return port
+
+
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--model", help="Hugging Face model folder (default: the bundled deepinfer-tiny-coder)"
@@ -25,9 +46,11 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--host",
         default=_default(ServerConfig, "host"),
-        help="address to listen on (0.0.0.0: every interface)",
+        help="address to listen on (0.0.0.0: every interface; then set an API key)",
     )
-    parser.add_argument("--port", type=int, default=_default(ServerConfig, "port"))
+    parser.add_argument(
+        "--port", type=port_number, default=_default(ServerConfig, "port"), help="TCP port (0: any free one)"
+    )
     parser.add_argument(
         "--api-key", help="require this key from clients (default: DEEPINFER_API_KEY; unset: no key needed)"
     )
@@ -50,8 +73,47 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         default=_default(ServerConfig, "max_request_bytes"),
         help="larger request bodies get 413",
     )
+    parser.add_argument(
+        "--max-tokens-default",
+        type=int,
+        default=_default(ServerConfig, "max_tokens_default"),
+        help="new tokens for a request that sets no max_tokens (0: up to the context length)",
+    )
+    parser.add_argument(
+        "--max-tokens-limit",
+        type=int,
+        help="most new tokens a request may ask for (default: the context length)",
+    )
+    parser.add_argument(
+        "--request-timeout", type=float, help="seconds a request may run before it is ended with an error"
+    )
+    parser.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=_default(ServerConfig, "drain_timeout_s"),
+        help="on SIGTERM/SIGINT: seconds in-flight requests may take to finish",
+    )
+    parser.add_argument(
+        "--restart-engine",
+        action="store_true",
+        help="restart the engine core if it dies (default: exit non-zero so an orchestrator restarts us)",
+    )
+    parser.add_argument(
+        "--timeout-keep-alive",
+        type=float,
+        default=_default(ServerConfig, "timeout_keep_alive_s"),
+        help="close connections idle this many seconds",
+    )
+    parser.add_argument(
+        "--body-timeout",
+        type=float,
+        default=_default(ServerConfig, "body_timeout_s"),
+        help="seconds a request body may take to arrive (then 408)",
+    )
     parser.add_argument("--accelerator", help="cpu | nvidia | ascend | auto (default: DEEPINFER_ACCELERATOR)")
-    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    parser.add_argument(
+        "--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"], help="weights' dtype"
+    )
     parser.add_argument("--kv-cache-memory-gib", type=float, help="KV-cache size (default: most free memory)")
     parser.add_argument("--max-num-batched-tokens", type=int, help="token budget of one engine step")
     parser.add_argument(
@@ -81,19 +143,15 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "--log-level",
         default=_default(ServerConfig, "log_level"),
         choices=["debug", "info", "warning", "error"],
+        help="log level of the HTTP server",
     )
 
 
-def serve(args: argparse.Namespace) -> int:
-    """Run the server described by parsed ``deepinfer serve`` arguments."""
-    import uvicorn
+def engine_config(args: argparse.Namespace, model: Path) -> EngineConfig:
+    """The core's EngineConfig from ``deepinfer serve`` arguments (text is made by the front)."""
+    from deepinfer.kvstore.cli import config_from_args as kvstore_config_from_args
 
-    from deepinfer.engine.llm_engine import LLMEngine
-    from deepinfer.model_zoo import default_model_path
-    from deepinfer.server.app import build_app
-
-    model = Path(args.model) if args.model else default_model_path()
-    engine_options = {
+    options = {
         "max_model_len": args.max_model_len,
         "max_num_seqs": args.max_num_seqs,
         "dtype": args.dtype,
@@ -106,25 +164,121 @@ def serve(args: argparse.Namespace) -> int:
         "step_time_budget_ms": args.step_time_budget_ms,
         "async_scheduling": args.async_scheduling or None,
         "deterministic": args.deterministic or None,
+        "kv_store": kvstore_config_from_args(args),
     }
-    engine_config = EngineConfig(
-        model=str(model), **{k: v for k, v in engine_options.items() if v is not None}
+    return EngineConfig(
+        model=str(model), detokenize=False, **{k: v for k, v in options.items() if v is not None}
     )
-    server_config = ServerConfig(
+
+
+def server_config(args: argparse.Namespace, model: Path) -> ServerConfig:
+    if args.api_key is not None:
+        api_key = args.api_key
+        if not api_key:
+            raise ValueError("--api-key is empty: give a key, or leave the option out to serve without one")
+    else:
+        api_key = envs.get("DEEPINFER_API_KEY")
+        if api_key is not None and not api_key:
+            raise ValueError(
+                "DEEPINFER_API_KEY is set but empty: give a key, or unset it to serve without one"
+            )
+    return ServerConfig(
         served_model_name=args.served_model_name or model.name,
         host=args.host,
         port=args.port,
-        api_key=args.api_key or envs.get("DEEPINFER_API_KEY"),
+        api_key=api_key,
         max_queued_requests=args.max_queued_requests,
         max_request_bytes=args.max_request_bytes,
+        max_tokens_default=args.max_tokens_default or None,
+        max_tokens_limit=args.max_tokens_limit,
+        request_timeout_s=args.request_timeout,
+        drain_timeout_s=args.drain_timeout,
+        restart_engine=args.restart_engine,
+        timeout_keep_alive_s=args.timeout_keep_alive,
+        body_timeout_s=args.body_timeout,
         log_level=args.log_level,
     )
-    app = build_app(LLMEngine(engine_config), server_config)
-    uvicorn.run(
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on ``host:port`` (raises OSError saying why not)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    sock.listen(2048)
+    sock.set_inheritable(False)
+    return sock
+
+
+def serve(args: argparse.Namespace) -> int:
+    """Run the server described by parsed ``deepinfer serve`` arguments; returns the exit code."""
+    from deepinfer.model_zoo import default_model_path
+
+    model = Path(args.model) if args.model else default_model_path()
+    if not (model / "config.json").is_file():
+        raise ValueError(f"--model {model}: not a model folder (no config.json)")
+    engine = engine_config(args, model)
+    config = server_config(args, model)
+    if config.api_key is None and not config.loopback:
+        print(
+            f"deepinfer serve: warning: listening on {config.host} without an API key: anyone who can reach "
+            "this address can use the model (set --api-key or DEEPINFER_API_KEY)",
+            file=sys.stderr,
+        )
+    try:
+        sock = bind(config.host, config.port)
+    except OSError as exc:
+        raise ValueError(f"cannot listen on {config.host}:{config.port}: {exc.strerror or exc}") from None
+    return _serve(model, engine, config, sock)
+
+
+def _serve(model: Path, engine: EngineConfig, config: ServerConfig, sock: socket.socket) -> int:
+    import uvicorn
+
+    from deepinfer.core.client import EngineClient
+    from deepinfer.core.launch import CoreProcess, CoreSpec
+    from deepinfer.server.app import build_app
+    from deepinfer.server.runner import IdleTimeoutH11Protocol, Server, run
+    from deepinfer.tokenizer import Tokenizer
+
+    tokenizer_dir = Path(engine.tokenizer or engine.model)
+    tokenizer = Tokenizer(tokenizer_dir) if (tokenizer_dir / "tokenizer.json").is_file() else None
+    front = os.getpid()
+    holder: dict[str, Server] = {}
+    client = EngineClient(
+        lambda engine_id, address: CoreProcess(
+            CoreSpec(engine_id=engine_id, address=address, parent_pid=front, engine=engine)
+        ),
+        tokenizer,
+        config.max_queued_requests,
+        restart=config.restart_engine,
+        on_fatal=lambda reason: holder["server"].fatal(reason),
+        request_timeout_s=config.request_timeout_s,
+    )
+    app = build_app(client, config, tokenizer)
+    uv_config = uvicorn.Config(
         app,
-        host=server_config.host,
-        port=server_config.port,
-        log_level=server_config.log_level,
+        log_level=config.log_level,
+        lifespan="off",
+        http=IdleTimeoutH11Protocol,
+        timeout_keep_alive=config.timeout_keep_alive_s,
         timeout_graceful_shutdown=5,
     )
-    return 0
+    server = holder["server"] = Server(uv_config, app.state.serving, config.drain_timeout_s)
+    host, port = sock.getsockname()[:2]
+
+    def banner() -> str:
+        info = client.info
+        auth = "on (clients send the API key)" if config.api_key else "off (no API key)"
+        return (
+            f"deepinfer serve: model {config.served_model_name!r} at http://{host}:{port}/v1 | auth {auth} | "
+            f"engine core pid {info.pid}: {info.description}, context {info.max_model_len}, "
+            f"{info.num_kv_blocks} KV blocks of {info.block_size} tokens"
+        )
+
+    return asyncio.run(run(server, client, [sock], banner))

@@ -1,7 +1,7 @@
 """Prometheus metrics of the server (``GET /metrics``).
 
 Engine state (running / waiting requests, KV-cache usage, prefix-cache hits) is read at scrape time
-from the engine thread's last :class:`~deepinfer.server.async_engine.EngineStats`; request latencies
+from the engine cores' last :class:`~deepinfer.core.messages.EngineStats`; request latencies
 and token counts are recorded as each request progresses (:class:`RequestMeter`). Each server owns
 its registry, so several servers can live in one process (tests).
 """
@@ -15,8 +15,9 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from deepinfer.core.messages import EngineStats
 from deepinfer.outputs import RequestOutput
-from deepinfer.server.async_engine import EngineStats
+from deepinfer.server.kv_store_metrics import kv_store_families
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0)
@@ -74,6 +75,8 @@ class _EngineCollector(Collector):
             "Tokens emitted per request per step (accepted drafts + 1; 1 without speculation), since start",
             value=spec.mean_accepted_len,
         )
+        if s.kv_store is not None:
+            yield from kv_store_families(s.kv_store)
 
 
 class ServerMetrics:

@@ -39,6 +39,10 @@ class GrammarBackend(ABC):
     def consume(self, matcher: Any, tokens: list[int]) -> None:
         """Advance a matcher over accepted tokens."""
 
+    @abstractmethod
+    def valid_prefix(self, matcher: Any, tokens: list[int]) -> int:
+        """How many leading ``tokens`` the matcher accepts from its current state (unchanged)."""
+
 
 class LLGuidanceBackend(GrammarBackend):
     name = "llguidance"
@@ -60,10 +64,7 @@ class LLGuidanceBackend(GrammarBackend):
             except ValueError as exc:
                 raise GrammarError(f"json_schema is not a valid JSON object: {exc}") from None
         if constraint.kind == "grammar":
-            text = constraint.source
-            if "::=" in text:  # GBNF / EBNF
-                text = self._llg.gbnf_to_lark(text)
-            return m.grammar_from_lark(text)
+            return m.grammar_from_lark(_to_lark(constraint.source))
         choices = json.loads(constraint.source)
         return m.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in choices))
 
@@ -80,10 +81,30 @@ class LLGuidanceBackend(GrammarBackend):
     def fill(self, rows: list[tuple[Any, int, list[int]]], bitmask: torch.Tensor) -> None:
         import llguidance.torch as llgt
 
-        if any(drafts for _, _, drafts in rows):
-            llgt.fill_next_token_bitmask_par_with_draft_tokens(self.executor, rows, bitmask)
-        else:
-            llgt.fill_next_token_bitmask_par(self.executor, [(m, i) for m, i, _ in rows], bitmask)
+        # llguidance's draft variant refuses a row without drafts (a request still in its prompt, or
+        # whose drafts the grammar cut to none), so such rows take the plain variant.
+        drafted = [row for row in rows if row[2]]
+        plain = [(m, i) for m, i, drafts in rows if not drafts]
+        if drafted:
+            llgt.fill_next_token_bitmask_par_with_draft_tokens(self.executor, drafted, bitmask)
+        if plain:
+            llgt.fill_next_token_bitmask_par(self.executor, plain, bitmask)
+
+    def valid_prefix(self, matcher: Any, tokens: list[int]) -> int:
+        return matcher.validate_tokens(tokens)
 
     def consume(self, matcher: Any, tokens: list[int]) -> None:
         matcher.consume_tokens(tokens)
+
+
+def _to_lark(text: str) -> str:
+    """A grammar in llguidance's Lark dialect: GBNF (llama.cpp's EBNF notation, ``root ::= ...``; told
+    apart by its ``::=``) is converted, its ``root`` becoming ``start``; Lark text is kept as it is."""
+    if "::=" not in text:
+        return text
+    from llguidance.gbnf_to_lark import gbnf_to_lark
+
+    try:
+        return gbnf_to_lark(text)
+    except Exception as exc:  # the converter raises plain Exceptions for some syntax errors
+        raise GrammarError(f"grammar is not valid GBNF: {exc}") from exc

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from deepinfer.sampling_params import SamplingParams
-from deepinfer.structured.backend import GrammarBackend, LLGuidanceBackend
+from deepinfer.structured.backend import GrammarBackend, GrammarError, LLGuidanceBackend
 from deepinfer.structured.constraint import Constraint
 from deepinfer.tokenizer import Tokenizer
 
@@ -40,10 +40,20 @@ class StructuredOutputs:
         return self._backend
 
     def add(self, request_id: str, params: SamplingParams) -> None:
-        """Create the request's matcher if it is constrained; raises GrammarError (a ValueError)."""
+        """Create the request's matcher if it is constrained; raises GrammarError (a ValueError) for a
+        constraint the backend cannot compile, whatever the backend raised."""
         constraint = Constraint.of(params)
-        if constraint is not None:
-            self.matchers[request_id] = self.backend.matcher(constraint)
+        if constraint is None:
+            return
+        backend = self.backend
+        try:
+            self.matchers[request_id] = backend.matcher(constraint)
+        except GrammarError:
+            raise
+        except Exception as exc:  # the grammar library's own errors on odd input are still bad input
+            raise GrammarError(
+                f"{constraint.kind} could not be compiled: {type(exc).__name__}: {exc}"
+            ) from exc
 
     def remove(self, request_id: str) -> None:
         self.matchers.pop(request_id, None)
@@ -52,6 +62,16 @@ class StructuredOutputs:
         matcher = self.matchers.get(request_id)
         if matcher is not None:
             self.backend.consume(matcher, tokens)
+
+    def valid_drafts(self, request_id: str, emitted: list[int], drafts: list[int]) -> list[int]:
+        """The longest prefix of ``drafts`` the request's grammar accepts after its current state and
+        then ``emitted`` (this step's tokens, not yet consumed): drafts the grammar forbids could never
+        be accepted, so they are not verified. Unconstrained requests keep all their drafts."""
+        matcher = self.matchers.get(request_id)
+        if matcher is None or not drafts:
+            return drafts
+        valid = self.backend.valid_prefix(matcher, [*emitted, *drafts]) - len(emitted)
+        return drafts[: max(0, valid)]
 
     def start_masks(
         self, rows: list[tuple[str, int, list[int]]], num_rows: int

@@ -1,9 +1,8 @@
 """Runs one scheduled step on the device: host batch -> tensors -> model -> sampled tokens.
 
-Created by the engine with the loaded model and its KV cache; ``execute`` consumes a
-``SchedulerOutput`` (host data) and returns a ``RunnerOutput`` (host data). Tokens are laid out decode
-requests first (few new tokens: absorbed attention over the paged cache), then prefill chunks
-(expanded attention), which is the order ``AttentionMetadata`` promises the layers.
+Created by the engine from its configuration: the loaded model, its KV cache, the input builder, and
+the optional parts (grammar masks, MTP drafter, captured decode graphs), all passed in; ``execute``
+consumes a ``SchedulerOutput`` (host data) and returns a ``RunnerOutput`` (host data).
 """
 
 from __future__ import annotations
@@ -12,19 +11,19 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-import numpy as np
 import torch
 from torch import Tensor
 
 from deepinfer.engine.sched_output import ScheduledRequest, SchedulerOutput
-from deepinfer.model.attn_metadata import AttentionMetadata, DecodeMetadata, PrefillMetadata
 from deepinfer.model.deepseek_v3 import DeepseekV3ForCausalLM
+from deepinfer.structured.manager import StructuredOutputs
+from deepinfer.worker.graphs import DecodeGraphs
+from deepinfer.worker.inputs import InputBuilder, StepInputs
 from deepinfer.worker.sampler import SamplingRow, sample_rows, top_logprobs
+from deepinfer.worker.spec_decode import MTPProposer
 
 if TYPE_CHECKING:
-    from deepinfer.structured.manager import StructuredOutputs
-    from deepinfer.worker.graphs import DecodeGraphs
-    from deepinfer.worker.spec_decode import MTPProposer
+    from deepinfer.kvstore.connector import StoreConnector
 
 
 @dataclass(slots=True)
@@ -53,100 +52,43 @@ class SamplingPlan:
     rows: list[SamplingRow]
 
 
-@dataclass(slots=True)
-class StepInputs:
-    """The device tensors of one step and where each request's tokens sit in them."""
-
-    input_ids: Tensor
-    positions: Tensor
-    meta: AttentionMetadata
-    order: list[ScheduledRequest]
-    token_offsets: list[int]  # first token index of each request in ``order``
-
-
 class ModelRunner:
     def __init__(
         self,
         model: DeepseekV3ForCausalLM,
         kv_caches: Sequence[Sequence[Tensor]],
-        block_size: int,
-        device: torch.device,
+        inputs: InputBuilder,
         eos_token_ids: frozenset[int],
         synchronize: Callable[[], None],
-        decode_query_len: int = 1,
+        *,
+        structured: StructuredOutputs | None = None,
+        proposer: MTPProposer | None = None,
+        graphs: DecodeGraphs | None = None,
+        kv_connector: StoreConnector | None = None,
     ) -> None:
-        """``decode_query_len``: requests computing at most this many tokens (one plus their drafts)
-        take the absorbed decode path. ``proposer`` (set by the engine) drafts tokens after each step."""
+        """``inputs`` lays out each step's tensors; ``structured`` masks constrained requests' rows;
+        ``proposer`` drafts tokens after each step (speculative decoding; it shares ``inputs``, whose
+        ``decode_query_len`` must then cover its drafts); ``graphs`` replays captured decode steps;
+        ``kv_connector`` saves completed blocks to the KV store after each forward."""
+        if proposer is not None and inputs.decode_query_len < 1 + proposer.num_drafts:
+            raise ValueError(
+                f"decode_query_len={inputs.decode_query_len} cannot verify {proposer.num_drafts} drafts"
+            )
         self.model = model
         self.kv_caches = kv_caches
-        self.block_size = block_size
-        self.device = device
+        self.inputs = inputs
+        self.block_size = inputs.block_size
+        self.device = inputs.device
         self.eos_token_ids = eos_token_ids
-        self.decode_query_len = decode_query_len
         self.synchronize = synchronize  # the platform's: waits for queued device work (timing)
-        self.proposer: MTPProposer | None = None
-        self.structured: StructuredOutputs | None = None
-        self.graphs: DecodeGraphs | None = None
+        self.structured = structured
+        self.proposer = proposer
+        self.graphs = graphs
+        self.kv_connector = kv_connector
 
-    # ------------------------------------------------------------------ inputs
     def prepare(self, requests: Sequence[ScheduledRequest]) -> StepInputs:
-        decode = [r for r in requests if r.num_new_tokens <= self.decode_query_len]
-        prefill = [r for r in requests if r.num_new_tokens > self.decode_query_len]
-        order = decode + prefill
-        bs = self.block_size
-        query_lens = np.array([r.num_new_tokens for r in order], dtype=np.int64)
-        starts = np.array([r.num_computed_tokens for r in order], dtype=np.int64)
-        seq_lens = starts + query_lens
-        offsets = np.concatenate(([0], np.cumsum(query_lens)))
-        width = max(len(r.block_ids) for r in order)
-        table = np.zeros((len(order), width), dtype=np.int64)
-        for i, r in enumerate(order):
-            table[i, : len(r.block_ids)] = r.block_ids
-
-        req_of_token = np.repeat(np.arange(len(order)), query_lens)
-        positions = starts[req_of_token] + (np.arange(offsets[-1]) - offsets[req_of_token])
-        slots = table[req_of_token, positions // bs] * bs + positions % bs
-        input_ids = np.fromiter(
-            (t for r in order for t in r.token_ids), dtype=np.int64, count=int(offsets[-1])
-        )
-
-        dev = self.device
-        decode_meta = prefill_meta = None
-        num_decode = len(decode)
-        if decode:
-            decode_meta = DecodeMetadata(
-                num_tokens=int(offsets[num_decode]),
-                block_table=torch.from_numpy(table[:num_decode].astype(np.int32)).to(dev),
-                seq_lens=torch.from_numpy(seq_lens[:num_decode].astype(np.int32)).to(dev),
-                query_start_loc=torch.from_numpy(offsets[: num_decode + 1].astype(np.int32)).to(dev),
-                max_query_len=int(query_lens[:num_decode].max()),
-            )
-        if prefill:
-            p_q, p_k = query_lens[num_decode:], seq_lens[num_decode:]
-            context_slots = None
-            if (starts[num_decode:] > 0).any():
-                context_slots = np.concatenate(
-                    [
-                        table[i, np.arange(n) // bs] * bs + np.arange(n) % bs
-                        for i, n in enumerate(p_k, num_decode)
-                    ]
-                )
-                context_slots = torch.from_numpy(context_slots).to(dev)
-            prefill_meta = PrefillMetadata(
-                cu_seqlens_q=torch.from_numpy(np.concatenate(([0], np.cumsum(p_q))).astype(np.int32)).to(dev),
-                cu_seqlens_k=torch.from_numpy(np.concatenate(([0], np.cumsum(p_k))).astype(np.int32)).to(dev),
-                max_seqlen_q=int(p_q.max()),
-                max_seqlen_k=int(p_k.max()),
-                context_slots=context_slots,
-            )
-        meta = AttentionMetadata(torch.from_numpy(slots).to(dev), decode_meta, prefill_meta)
-        return StepInputs(
-            torch.from_numpy(input_ids).to(dev),
-            torch.from_numpy(positions).to(dev),
-            meta,
-            order,
-            offsets[:-1].tolist(),
-        )
+        """The device tensors of a step (see ``InputBuilder.prepare``)."""
+        return self.inputs.prepare(requests)
 
     # ------------------------------------------------------------------ step
     @torch.inference_mode()
@@ -173,6 +115,13 @@ class ModelRunner:
                 )
         if self.proposer is not None and out.sampled:
             out.drafts, out.num_proposed = self.proposer.propose(inputs, hidden, out.sampled)
+            if self.structured is not None:
+                out.drafts = {
+                    rid: self.structured.valid_drafts(rid, out.sampled[rid], drafts)
+                    for rid, drafts in out.drafts.items()
+                }
+        if scheduled.kv_saves and self.kv_connector is not None:
+            self.kv_connector.save_blocks(scheduled.kv_saves)  # blocks complete after this forward
         return out
 
     def _sampling_plan(self, inputs: StepInputs) -> SamplingPlan:

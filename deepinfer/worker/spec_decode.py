@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -26,9 +26,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
-from deepinfer.engine.sched_output import ScheduledRequest
 from deepinfer.model.deepseek_v3 import DeepseekV3ForCausalLM
-from deepinfer.worker.model_runner import StepInputs
+from deepinfer.worker.inputs import InputBuilder, StepInputs
 
 # A subfolder of the model folder: model loaders that glob the top level for *.safetensors (vLLM,
 # llama.cpp's converter) must not mistake the head for model weights.
@@ -119,7 +118,7 @@ class MTPProposer:
         self,
         model: DeepseekV3ForCausalLM,
         kv_caches: Sequence[Sequence[Tensor]],
-        prepare: Callable[[Sequence[ScheduledRequest]], StepInputs],
+        inputs: InputBuilder,
         num_drafts: int,
         confidence: tuple[ConfidenceHead, float] | None = None,
     ) -> None:
@@ -129,7 +128,7 @@ class MTPProposer:
             )
         self.model = model
         self.kv_caches = kv_caches
-        self.prepare = prepare  # ModelRunner.prepare: host batch -> StepInputs
+        self.prepare = inputs.prepare  # host batch -> StepInputs (the runner's builder)
         self.num_drafts = num_drafts
         self.head, self.threshold = confidence if confidence is not None else (None, 0.0)
         # Set to a list to collect (features, accepted) pairs for training a confidence head.

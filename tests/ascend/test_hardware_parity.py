@@ -75,4 +75,5 @@ def test_the_built_sampling_kernel_passed_its_self_test() -> None:
 
     if not native.LIBRARY.is_file():
         pytest.skip(f"the Ascend C library is not built ({native.LIBRARY})")
-    assert native.load_sampling_kernel(native.LIBRARY, torch.device("npu", 0)) is not None
+    kernel, why = native.load_sampling_kernel(native.LIBRARY, torch.device("npu", 0))
+    assert kernel is not None, why

@@ -1,5 +1,6 @@
 """Choosing the sampling path: the Ascend C kernel only when it loads and draws the reference's tokens;
-otherwise the torch path, and the log says which and why."""
+otherwise the torch path, with the reason; on that path the backend declares the reference fallback
+through the op registry (a WARNING, listed by describe() and reference_fallbacks)."""
 
 from __future__ import annotations
 
@@ -13,12 +14,6 @@ from deepinfer.backends.reference import sampling as reference
 from deepinfer.ops_ascend import native
 
 CPU = torch.device("cpu")
-
-
-@pytest.fixture
-def caplog_deepinfer(caplog: pytest.LogCaptureFixture) -> pytest.LogCaptureFixture:
-    caplog.set_level(logging.INFO, logger="deepinfer")
-    return caplog
 
 
 def test_a_kernel_that_matches_the_reference_passes() -> None:
@@ -46,19 +41,36 @@ def test_the_self_test_batch_has_ties_at_the_filter_boundaries() -> None:
     assert bool((temperature == 0).any()) and bool((top_k > 0).any()) and bool((top_p < 1).any())
 
 
-def test_missing_library_uses_the_torch_path(tmp_path: Path, caplog_deepinfer) -> None:
-    assert native.load_sampling_kernel(tmp_path / "libdeepinfer_ascend_ops.so", CPU) is None
-    assert "not built" in caplog_deepinfer.text
+def test_missing_library_uses_the_torch_path(tmp_path: Path) -> None:
+    kernel, why = native.load_sampling_kernel(tmp_path / "libdeepinfer_ascend_ops.so", CPU)
+    assert kernel is None and "not built" in why
 
 
-def test_unloadable_library_uses_the_torch_path(tmp_path: Path, caplog_deepinfer) -> None:
+def test_unloadable_library_uses_the_torch_path(tmp_path: Path) -> None:
     library = tmp_path / "libdeepinfer_ascend_ops.so"
     library.write_bytes(b"not an ELF file")
-    assert native.load_sampling_kernel(library, CPU) is None
-    assert "did not load" in caplog_deepinfer.text
+    kernel, why = native.load_sampling_kernel(library, CPU)
+    assert kernel is None and "did not load" in why
 
 
-def test_non_npu_devices_use_the_torch_path(caplog_deepinfer) -> None:
+def test_non_npu_devices_use_the_torch_path() -> None:
     native.sampling_kernel.cache_clear()
-    assert native.sampling_kernel(CPU) is None
-    assert "not an NPU" in caplog_deepinfer.text
+    kernel, why = native.sampling_kernel(CPU)
+    assert kernel is None and "not an NPU" in why
+
+
+def test_the_torch_path_is_a_declared_reference_fallback(
+    ascend_ops, caplog: pytest.LogCaptureFixture
+) -> None:
+    native.sampling_kernel.cache_clear()
+    batch = native.self_test_batch(CPU)
+    with caplog.at_level(logging.INFO, logger="deepinfer"):
+        tokens = ascend_ops.sample(*batch)
+        ascend_ops.sample(*batch)
+    assert torch.equal(tokens, reference.sample(*batch))
+    warnings = [r for r in caplog.records if "runs the reference implementation" in r.getMessage()]
+    assert len(warnings) == 1 and warnings[0].levelno == logging.WARNING  # once, not per step
+    assert "backend deepinfer.ops_ascend: op sample" in warnings[0].getMessage()
+    assert not [r for r in caplog.records if r.levelno < logging.WARNING and "sampling" in r.getMessage()]
+    assert "not an NPU" in ascend_ops.reference_fallbacks["sample"]
+    assert "sample (device cpu is not an NPU)" in ascend_ops.describe()

@@ -78,9 +78,26 @@ def test_declared_fallbacks_run_the_reference_and_are_logged(caplog: pytest.LogC
     assert table.silu_and_mul is silu_and_mul
 
 
+def test_runtime_fallbacks_are_warned_once_and_described(caplog: pytest.LogCaptureFixture) -> None:
+    table = OpTable("runtime-test")
+    table.implement(silu_and_mul)
+    table.use_reference_for(sorted(set(interface_ops()) - {"silu_and_mul"}), "not written yet")
+    table.finalize()
+    assert "silu_and_mul" not in table.reference_fallbacks
+    with caplog.at_level(logging.WARNING, logger="deepinfer"):
+        for _ in range(3):
+            table.fallback_at_runtime("silu_and_mul", "kernel not built")
+    assert caplog.text.count("op silu_and_mul runs the reference implementation (kernel not built)") == 1
+    assert table.reference_fallbacks["silu_and_mul"] == "kernel not built"
+    assert "silu_and_mul (kernel not built)" in table.describe()
+    with pytest.raises(ValueError, match="not an op this backend implements"):
+        OpTable("empty").fallback_at_runtime("rms_norm", "x")
+
+
 def test_dispatch_goes_to_the_active_backend() -> None:
-    activate(resolve_platform("cpu"))
-    assert active_ops().backend == "deepinfer.backends.reference"
+    platform = resolve_platform("cpu")
+    activate(platform)
+    assert active_ops().backend == platform.op_backend == "deepinfer.backends.cpu.backend"
     x = torch.randn(2, 6)
     assert torch.equal(ops.silu_and_mul(x), torch.nn.functional.silu(x[:, :3]) * x[:, 3:])
 

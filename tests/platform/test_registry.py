@@ -66,4 +66,4 @@ def test_cpu_platform_facts() -> None:
     free, total = platform.mem_get_info()
     assert 0 < free <= total
     assert platform.node_role.value == "both"
-    assert platform.op_backend == "deepinfer.backends.reference"
+    assert platform.op_backend == "deepinfer.backends.cpu.backend"  # DEEPINFER_CPU_BACKEND=auto, g++ here

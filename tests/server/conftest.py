@@ -1,5 +1,8 @@
 """A real server for the tests: a tiny random DeepSeek-V3 checkpoint with a tokenizer that has
-DeepSeek's full control-token set, served by uvicorn on a loopback port in a background thread.
+DeepSeek's full control-token set, served on a loopback port by the same code as ``deepinfer
+serve`` (``deepinfer.server.runner.run``), in a background thread. The engine core speaks the real
+channel (ZeroMQ, typed messages) but runs in a thread of the test process (``CoreThread``), so
+tests can script its model runner; tests of the process model start ``deepinfer serve`` itself.
 
 Scripting the model (``ScriptedRunner``): a random model writes noise, so tests that need a
 particular completion (a tool call, reasoning) script it. The runner of the served engine is
@@ -10,6 +13,7 @@ next token, and EOS once the script is done. Nothing in the engine knows about i
 
 from __future__ import annotations
 
+import asyncio
 import json
 import random
 import threading
@@ -23,10 +27,13 @@ import pytest
 import uvicorn
 
 from deepinfer.config import EngineConfig
+from deepinfer.core.client import EngineClient
+from deepinfer.core.launch import CoreThread
 from deepinfer.engine.llm_engine import LLMEngine
 from deepinfer.server.app import build_app
-from deepinfer.server.async_engine import AsyncEngine
 from deepinfer.server.config import ServerConfig
+from deepinfer.server.launch import bind
+from deepinfer.server.runner import IdleTimeoutH11Protocol, Server, run
 from deepinfer.worker.model_runner import RunnerOutput
 from tests.model.hf_models import make_hf_checkpoint
 from tests.recipe.deepseek_tokenizer import write_deepseek_tokenizer
@@ -126,8 +133,8 @@ class ServerHandle:
     config: ServerConfig
 
     @property
-    def async_engine(self) -> AsyncEngine:
-        return self.app.state.serving.engine
+    def client(self) -> EngineClient:
+        return self.app.state.serving.client
 
     @property
     def base_url(self) -> str:
@@ -144,9 +151,9 @@ class ServerHandle:
         """Wait until no request is in flight and the engine has freed every KV block."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            s = self.async_engine.stats
+            s = self.client.stats
             if (
-                self.async_engine.num_in_flight
+                self.client.num_in_flight
                 == s.num_running
                 == s.num_waiting
                 == s.num_blocks - s.num_free_blocks
@@ -154,7 +161,7 @@ class ServerHandle:
             ):
                 return
             time.sleep(0.02)
-        raise AssertionError(f"server not idle after {timeout}s: {self.async_engine.stats}")
+        raise AssertionError(f"server not idle after {timeout}s: {self.client.stats}")
 
 
 def start_server(
@@ -163,20 +170,36 @@ def start_server(
     """Serve ``model`` on 127.0.0.1 (a free port) in a thread; yields a handle, stops on exit.
     ``runner`` wraps the engine's model runner; ``engine``: EngineConfig overrides; ``config``:
     ServerConfig fields."""
-    options = {"num_kv_blocks": 256, "max_model_len": 1024, **(engine or {})}
+    options = {"num_kv_blocks": 256, "max_model_len": 1024, "detokenize": False, **(engine or {})}
     llm_engine = LLMEngine(EngineConfig(model=str(model), **options))
     runner = runner(llm_engine)
     server_config = ServerConfig(served_model_name=MODEL_NAME, port=0, **config)
-    app = build_app(llm_engine, server_config)
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="on"))
-    thread = threading.Thread(target=server.run, name="uvicorn-test", daemon=True)
+    client = EngineClient(
+        lambda engine_id, address: CoreThread(llm_engine, engine_id, address),
+        llm_engine.tokenizer,
+        server_config.max_queued_requests,
+        request_timeout_s=server_config.request_timeout_s,
+    )
+    app = build_app(client, server_config, llm_engine.tokenizer)
+    uv_config = uvicorn.Config(
+        app,
+        log_level="warning",
+        lifespan="off",
+        http=IdleTimeoutH11Protocol,
+        timeout_keep_alive=server_config.timeout_keep_alive_s,
+    )
+    server = Server(uv_config, app.state.serving, server_config.drain_timeout_s)
+    sock = bind("127.0.0.1", 0)
+    port = sock.getsockname()[1]
+    thread = threading.Thread(
+        target=asyncio.run, args=(run(server, client, [sock]),), name="server-test", daemon=True
+    )
     thread.start()
     deadline = time.monotonic() + 30
     while not server.started:
         if not thread.is_alive() or time.monotonic() > deadline:
             raise RuntimeError("the test server did not start")
         time.sleep(0.01)
-    port = server.servers[0].sockets[0].getsockname()[1]
     try:
         yield ServerHandle(f"http://127.0.0.1:{port}", llm_engine, runner, app, server_config)
     finally:

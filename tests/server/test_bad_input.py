@@ -132,5 +132,11 @@ def test_oversized_bodies_get_413(server: ServerHandle) -> None:
 def test_the_openapi_document_says_invalid_requests_get_400(server: ServerHandle) -> None:
     schema = httpx.get(f"{server.url}/openapi.json").json()
     posts = {path: ops["post"] for path, ops in schema["paths"].items() if "post" in ops}
-    assert set(posts) == {"/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages"}
+    assert set(posts) == {
+        "/v1/chat/completions",
+        "/v1/completions",
+        "/v1/responses",
+        "/v1/messages",
+        "/v1/messages/count_tokens",
+    }
     assert all("400" in op["responses"] and "422" not in op["responses"] for op in posts.values())

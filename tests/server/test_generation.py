@@ -5,10 +5,10 @@ from __future__ import annotations
 import asyncio
 from types import SimpleNamespace
 
+from deepinfer.core.messages import EngineStats
 from deepinfer.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from deepinfer.recipe import BlockDelta
 from deepinfer.sampling_params import SamplingParams
-from deepinfer.server.async_engine import EngineStats
 from deepinfer.server.generation import ChatRun, FinishReason, TextRun
 from deepinfer.server.metrics import ServerMetrics
 from tests.server.conftest import ServerHandle

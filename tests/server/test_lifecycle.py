@@ -69,7 +69,8 @@ def test_deepinfer_serve_runs_until_interrupted(deepseek_model: Path) -> None:
         proc.send_signal(signal.SIGINT)
         output = proc.communicate(timeout=30)[0]
     assert proc.returncode == 0, output
-    assert re.search(r"Application shutdown complete", output)
+    assert "model 'cli-model' at http://127.0.0.1:" in output and "auth on" in output  # the banner
+    assert re.search(r"Finished server process", output)
 
 
 class ExplodingRunner(ScriptedRunner):

@@ -55,7 +55,7 @@ def test_a_full_queue_answers_429_and_health_stays_fast(guarded: ServerHandle) -
     body = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "count"}], "stream": True, **LONG}
     with httpx.Client(base_url=guarded.url, headers=headers, timeout=30) as client, ExitStack() as streams:
         readers = []  # kept alive: a dropped line iterator closes its response
-        for _ in range(guarded.async_engine.capacity):
+        for _ in range(guarded.client.capacity):
             response = streams.enter_context(client.stream("POST", "/v1/chat/completions", json=body))
             assert response.status_code == 200
             readers.append(response.iter_lines())
@@ -94,7 +94,7 @@ def test_fifty_clients_disconnecting_mid_stream_free_every_block(server: ServerH
             async for line in response.aiter_lines():
                 chunks += line.startswith("data:")
                 if chunks == 4:  # the role chunk and three tokens: generation is under way
-                    stats = server.async_engine.stats
+                    stats = server.client.stats
                     blocks_in_use.append(stats.num_blocks - stats.num_free_blocks)
                     return chunks
         return chunks
@@ -107,7 +107,7 @@ def test_fifty_clients_disconnecting_mid_stream_free_every_block(server: ServerH
     assert asyncio.run(main()) == [4] * 50
     assert max(blocks_in_use) > 0
     server.wait_idle()
-    stats = server.async_engine.stats
+    stats = server.client.stats
     assert stats.num_free_blocks == stats.num_blocks
     assert not server.engine.has_unfinished_requests()
     assert server.metric('deepinfer_requests_total{finish_reason="abort"}') - aborted_before == 50

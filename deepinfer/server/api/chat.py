@@ -31,7 +31,7 @@ from deepinfer.server.api.common import (
     respond,
 )
 from deepinfer.server.api.logprobs import chat_logprobs
-from deepinfer.server.context import ApiFields
+from deepinfer.server.context import ApiFields, traffic_class
 from deepinfer.server.errors import ApiError, Dialect
 from deepinfer.server.generation import ChatRun, ChoiceUpdate, Finish, FinishReason, Usage
 from deepinfer.server.protocol import chat as p
@@ -41,8 +41,13 @@ from deepinfer.server.sse import sse
 router = APIRouter()
 
 CHAT_FIELDS = ChatFields(
-    messages="messages", tools="tools", tool_choice="tool_choice", thinking="reasoning_effort"
+    messages="messages",
+    tools="tools",
+    tool_choice="tool_choice",
+    thinking="reasoning_effort",
+    tool_parameters="tools[{i}].function.parameters",
 )
+CONSTRAINT_FIELDS = {"json_schema": "response_format", "grammar": "tool_choice"}
 THINKING_EFFORTS = ("low", "medium", "high")
 
 
@@ -92,13 +97,16 @@ def _output_schema(
     if fmt is None:
         return None
     schema = fmt.json_schema.schema_ if fmt.json_schema is not None else None
-    return output_schema(fmt.type, schema, "response_format", thinking, tools)
+    return output_schema(
+        fmt.type, schema, "response_format", "response_format.json_schema.schema", thinking, tools
+    )
 
 
 @router.post("/v1/chat/completions", response_model=p.ChatCompletion)
 async def create_chat_completion(body: p.ChatCompletionRequest, request: Request, ctx: Serving) -> Response:
     """Chat with the model (OpenAI Chat Completions); ``stream: true`` streams chunks as SSE."""
     ctx.check_model(body.model)
+    ctx.check_admitting()
     _refuse_unsupported(body)
     choice = (
         body.tool_choice
@@ -115,7 +123,9 @@ async def create_chat_completion(body: p.ChatCompletionRequest, request: Request
     ]
     tools = offered_tools(specs, choice, CHAT_FIELDS)
     use_max = "max_tokens" if body.max_completion_tokens is None and body.max_tokens is not None else None
-    fields = ApiFields(prompt="messages", max_tokens=use_max or "max_completion_tokens")
+    fields = ApiFields(
+        prompt="messages", max_tokens=use_max or "max_completion_tokens", renamed=CONSTRAINT_FIELDS
+    )
     thinking = thinking_requested(body)
     top_logprobs = body.top_logprobs or 0
     params = ctx.sampling_params(
@@ -125,15 +135,16 @@ async def create_chat_completion(body: p.ChatCompletionRequest, request: Request
             "logprobs": top_logprobs if body.logprobs else None,
             "json_schema": _output_schema(body, thinking, tools),
             "grammar": forced_tool_grammar(ctx, tools, choice, thinking, CHAT_FIELDS),
+            "traffic_class": traffic_class(body, request),
         },
         fields,
     )
     prompt = await encode_conversation(ctx, to_messages(body.messages), tools, thinking, CHAT_FIELDS)
-    run = ChatRun(ctx, ctx.admit(prompt, params, fields), prompt, params)
+    run = ChatRun(ctx, ctx.admit(prompt, params, fields, request.state.arrival_time), prompt, params)
     renderer = ChatRenderer(
         run, ctx.model_name, params.n, top_logprobs if body.logprobs else None, body.include_usage
     )
-    return await respond(request, run, renderer, bool(body.stream))
+    return await respond(request, run, renderer, bool(body.stream), fields)
 
 
 class ChatRenderer:

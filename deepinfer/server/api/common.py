@@ -18,16 +18,17 @@ from typing import Annotated, Any, Protocol
 from fastapi import Depends, Request
 from fastapi.responses import JSONResponse, Response
 
+from deepinfer.core.client import EngineDead, RequestRefused, RequestTimedOut
 from deepinfer.logger import get_logger
 from deepinfer.recipe import Message, ToolSpec
 from deepinfer.recipe import tokens as T
-from deepinfer.server.async_engine import EngineDead
-from deepinfer.server.context import ServingContext
+from deepinfer.server.context import ApiFields, ServingContext
 from deepinfer.server.errors import ApiError
 from deepinfer.server.generation import ChoiceUpdate, Updates, Usage
 from deepinfer.server.protocol.common import CompletionTokensDetails, OpenAIUsage, PromptTokensDetails
 from deepinfer.server.sse import EventStreamResponse
-from deepinfer.structured.tool_calls import tool_call_grammar
+from deepinfer.server.validation import json_schema_error
+from deepinfer.structured.tool_calls import closed, tool_call_grammar
 
 TOOL_CALL_MARKERS = {
     "tool_calls_begin": T.TOOL_CALLS_BEGIN,
@@ -65,12 +66,14 @@ def openai_usage(usage: Usage) -> OpenAIUsage:
 
 @dataclass(frozen=True, slots=True)
 class ChatFields:
-    """Names of a chat API's fields, for error messages."""
+    """Names of a chat API's fields, for error messages (``tool_parameters``: the path of tool
+    ``i``'s parameters schema, with ``{i}`` for the index)."""
 
     messages: str
     tools: str
     tool_choice: str
     thinking: str
+    tool_parameters: str
 
 
 def offered_tools(tools: list[ToolSpec], choice: str | None, fields: ChatFields) -> list[ToolSpec]:
@@ -106,8 +109,17 @@ def forced_tool_grammar(
             f"{fields.tool_choice}={choice!r} needs non-thinking mode (the call starts at the first token)",
             param=fields.tool_choice,
         )
+    indexed = list(enumerate(tools))
     if choice.startswith("function:"):
-        tools = [t for t in tools if t.name == choice.removeprefix("function:")]
+        indexed = [(i, t) for i, t in indexed if t.name == choice.removeprefix("function:")]
+    for i, tool in indexed:
+        problem = json_schema_error(closed(dict(tool.parameters) or {"type": "object"}))
+        if problem is not None:
+            param = fields.tool_parameters.format(i=i)
+            raise ApiError(
+                400, f"{param}: the tool's parameters schema cannot be enforced: {problem}", param=param
+            )
+    tools = [t for _, t in indexed]
     tokenizer = ctx.chat_recipe().tokenizer
     ids = {name: tokenizer.token_to_id(marker) for name, marker in TOOL_CALL_MARKERS.items()}
     try:
@@ -119,10 +131,17 @@ def forced_tool_grammar(
 
 
 def output_schema(
-    kind: str, schema: dict[str, Any] | None, param: str, thinking: bool, tools: list[ToolSpec]
+    kind: str,
+    schema: dict[str, Any] | None,
+    param: str,
+    schema_param: str,
+    thinking: bool,
+    tools: list[ToolSpec],
 ) -> dict[str, Any] | None:
-    """The JSON schema a response format constrains the answer to (``None``: free text). The
-    constraint holds from the first generated token, so it excludes thinking and tool calls."""
+    """The JSON schema a response format (field ``param``; its schema at ``schema_param``)
+    constrains the answer to (``None``: free text). The constraint holds from the first generated
+    token, so it excludes thinking and tool calls; a schema the grammar backend cannot compile is a
+    400 naming ``schema_param``."""
     if kind == "text":
         return None
     if thinking:
@@ -141,6 +160,9 @@ def output_schema(
         return {"type": "object"}
     if schema is None:
         raise ApiError(400, f"{param}: a json_schema format needs its schema", param=param)
+    problem = json_schema_error(schema)
+    if problem is not None:
+        raise ApiError(400, f"{schema_param}: the schema cannot be enforced: {problem}", param=schema_param)
     return schema
 
 
@@ -157,10 +179,20 @@ async def encode_conversation(
         raise ApiError(400, f"{fields.thinking}: this model has no thinking mode", param=fields.thinking)
     if tools and not recipe.supports_tools:
         raise ApiError(400, f"{fields.tools}: this model has no tool-call tokens", param=fields.tools)
+    ctx.check_text_length(conversation_chars(messages, tools), fields.messages)
     try:
         return await asyncio.to_thread(recipe.encode_chat, messages, tools, thinking)
     except ValueError as exc:
         raise ApiError(400, f"{fields.messages}: {exc}", param=fields.messages) from None
+
+
+def conversation_chars(messages: Sequence[Message], tools: Sequence[ToolSpec]) -> int:
+    """Characters of text a conversation carries (contents, tool-call arguments, tool specs)."""
+    chars = 0
+    for message in messages:
+        chars += len(message.content or "")
+        chars += sum(len(c.name) + len(c.arguments) for c in getattr(message, "tool_calls", ()))
+    return chars + sum(len(t.name) + len(t.description) + len(str(t.parameters)) for t in tools)
 
 
 class Renderer(Protocol):
@@ -178,26 +210,34 @@ class Renderer(Protocol):
     def response(self) -> dict[str, Any]: ...
 
 
-def as_api_error(exc: Exception) -> ApiError:
-    """The error a caller sees for a failure while its request ran."""
+def as_api_error(exc: Exception, fields: ApiFields | None = None) -> ApiError:
+    """The error a caller sees for a failure while its request ran (``fields``: to name the API
+    field of a refused ``SamplingParams`` field)."""
     if isinstance(exc, ApiError):
         return exc
     if isinstance(exc, EngineDead):
         return ApiError(503, str(exc))
+    if isinstance(exc, RequestTimedOut):
+        return ApiError(504, str(exc))
+    if isinstance(exc, RequestRefused) and exc.field is not None and fields is not None:
+        param = fields.api_name(exc.field)
+        return ApiError(400, f"{param}: {exc}", param=param)
     if isinstance(exc, ValueError):  # the engine refused the request
         return ApiError(400, str(exc))
     logger.error("request failed", exc_info=exc)
     return ApiError(500, f"internal error: {type(exc).__name__}")
 
 
-async def respond(request: Request, run: Updates, renderer: Renderer, stream: bool) -> Response:
+async def respond(
+    request: Request, run: Updates, renderer: Renderer, stream: bool, fields: ApiFields
+) -> Response:
     """Answer with the finished response, or stream it as it is generated."""
     if stream:
         try:
             await run.accepted()  # a request the engine refuses still gets its 4xx status, not a 200
         except Exception as exc:
             run.close()
-            raise as_api_error(exc) from None
+            raise as_api_error(exc, fields) from None
         except BaseException:
             run.close()
             raise
@@ -205,7 +245,7 @@ async def respond(request: Request, run: Updates, renderer: Renderer, stream: bo
     try:
         await run.collect(request)
     except Exception as exc:
-        raise as_api_error(exc) from None
+        raise as_api_error(exc, fields) from None
     return JSONResponse(renderer.response())
 
 

@@ -12,7 +12,7 @@ from fastapi.responses import Response
 from deepinfer.recipe import BlockDelta
 from deepinfer.server.api.common import Serving, new_id, openai_usage, respond
 from deepinfer.server.api.logprobs import completion_logprobs
-from deepinfer.server.context import ApiFields, ServingContext
+from deepinfer.server.context import ApiFields, ServingContext, traffic_class
 from deepinfer.server.errors import ApiError, Dialect
 from deepinfer.server.generation import ChoiceUpdate, FinishReason, RunGroup, TextRun, Usage, total_usage
 from deepinfer.server.protocol import completions as p
@@ -46,11 +46,15 @@ async def tokenize_prompts(ctx: ServingContext, prompt: p.Prompt) -> list[list[i
     """The prompt(s) as token-id lists (token ids are checked against the vocabulary)."""
     if isinstance(prompt, str):
         prompt = [prompt]
-    if prompt and all(isinstance(t, int) for t in prompt):
+    if not prompt:
+        raise ApiError(400, "prompt is empty: give a string, a list of strings or token ids", param="prompt")
+    if all(isinstance(t, int) for t in prompt):
         prompt = [prompt]
     if all(isinstance(t, str) for t in prompt):
         if ctx.tokenizer is None:
             raise ApiError(400, "this model has no tokenizer: send the prompt as token ids", param="prompt")
+        for i, text in enumerate(prompt):
+            ctx.check_text_length(len(text), f"prompt[{i}]" if len(prompt) > 1 else "prompt")
         return await asyncio.to_thread(_encode_texts, ctx.tokenizer, list(prompt))
     for i, ids in enumerate(prompt):
         bad = [t for t in ids if t >= ctx.vocab_size]
@@ -67,15 +71,23 @@ async def tokenize_prompts(ctx: ServingContext, prompt: p.Prompt) -> list[list[i
 async def create_completion(body: p.CompletionRequest, request: Request, ctx: Serving) -> Response:
     """Complete raw prompts (OpenAI Completions); ``stream: true`` streams chunks as SSE."""
     ctx.check_model(body.model)
+    ctx.check_admitting()
     _refuse_unsupported(body)
     params = ctx.sampling_params(
-        {**body.sampling_values(), "max_tokens": body.max_tokens, "logprobs": body.logprobs}, FIELDS
+        {
+            **body.sampling_values(),
+            "max_tokens": body.max_tokens,
+            "logprobs": body.logprobs,
+            "traffic_class": traffic_class(body, request),
+        },
+        FIELDS,
     )
     prompts = await tokenize_prompts(ctx, body.prompt)
     runs: list[TextRun] = []
     try:
         for ids in prompts:
-            runs.append(TextRun(ctx, ctx.admit(ids, params, FIELDS), ids, params))
+            stream = ctx.admit(ids, params, FIELDS, request.state.arrival_time, detokenize=True)
+            runs.append(TextRun(ctx, stream, ids, params))
     except ApiError:
         for run in runs:
             run.close()
@@ -83,7 +95,7 @@ async def create_completion(body: p.CompletionRequest, request: Request, ctx: Se
     echo = [ctx.tokenizer.decode(ids) if ctx.tokenizer else "" for ids in prompts] if body.echo else None
     renderer = CompletionRenderer(runs, ctx.model_name, params.n, body.logprobs, echo, body.include_usage)
     group = runs[0] if len(runs) == 1 else RunGroup(runs, params.n)
-    return await respond(request, group, renderer, bool(body.stream))
+    return await respond(request, group, renderer, bool(body.stream), FIELDS)
 
 
 class CompletionRenderer:

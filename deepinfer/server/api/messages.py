@@ -36,7 +36,7 @@ from deepinfer.server.api.common import (
     offered_tools,
     respond,
 )
-from deepinfer.server.context import ApiFields
+from deepinfer.server.context import ApiFields, traffic_class
 from deepinfer.server.errors import ApiError, Dialect
 from deepinfer.server.generation import ChatRun, ChoiceUpdate, Finish, FinishReason, Usage
 from deepinfer.server.protocol import messages as p
@@ -45,8 +45,16 @@ from deepinfer.server.sse import sse
 logger = get_logger(__name__)
 router = APIRouter()
 
-FIELDS = ApiFields(prompt="messages", max_tokens="max_tokens", renamed={"stop": "stop_sequences"})
-CHAT_FIELDS = ChatFields(messages="messages", tools="tools", tool_choice="tool_choice", thinking="thinking")
+FIELDS = ApiFields(
+    prompt="messages", max_tokens="max_tokens", renamed={"stop": "stop_sequences", "grammar": "tool_choice"}
+)
+CHAT_FIELDS = ChatFields(
+    messages="messages",
+    tools="tools",
+    tool_choice="tool_choice",
+    thinking="thinking",
+    tool_parameters="tools[{i}].input_schema",
+)
 STOP_REASONS = {
     FinishReason.LENGTH: "max_tokens",
     FinishReason.STOP_STRING: "stop_sequence",
@@ -58,7 +66,7 @@ def _text(content: str | list[p.TextBlock]) -> str:
     return content if isinstance(content, str) else "\n".join(b.text for b in content)
 
 
-def to_messages(body: p.MessagesRequest) -> list[Message]:
+def to_messages(body: p.CountTokensRequest) -> list[Message]:
     """The system prompt and messages as a conversation: a user turn's ``tool_result`` blocks become
     tool messages; an assistant turn's ``tool_use`` blocks its tool calls; thinking is dropped."""
     out: list[Message] = [SystemMessage(content=_text(body.system))] if body.system else []
@@ -127,16 +135,32 @@ def _tool_choice(choice: p.ToolChoice | None) -> str | None:
     return choice.type
 
 
-@router.post("/v1/messages", response_model=p.MessageResponse)
-async def create_message(body: p.MessagesRequest, request: Request, ctx: Serving) -> Response:
-    """Create a message (Anthropic Messages); ``stream: true`` streams its events as SSE."""
-    ctx.check_model(body.model)
-    choice = _tool_choice(body.tool_choice)
+def _tools(body: p.CountTokensRequest, choice: str | None) -> list[ToolSpec]:
     specs = [
         ToolSpec(name=t.name, description=t.description or "", parameters=t.input_schema)
         for t in body.tools or ()
     ]
-    tools = offered_tools(specs, choice, CHAT_FIELDS)
+    return offered_tools(specs, choice, CHAT_FIELDS)
+
+
+@router.post("/v1/messages/count_tokens", response_model=p.TokenCount)
+async def count_tokens(body: p.CountTokensRequest, ctx: Serving) -> p.TokenCount:
+    """The prompt tokens a Messages request with this conversation would use (Anthropic's
+    ``count_tokens``); nothing is generated."""
+    ctx.check_model(body.model)
+    tools = _tools(body, _tool_choice(body.tool_choice))
+    thinking = isinstance(body.thinking, p.ThinkingEnabled)
+    prompt = await encode_conversation(ctx, to_messages(body), tools, thinking, CHAT_FIELDS)
+    return p.TokenCount(input_tokens=len(prompt))
+
+
+@router.post("/v1/messages", response_model=p.MessageResponse)
+async def create_message(body: p.MessagesRequest, request: Request, ctx: Serving) -> Response:
+    """Create a message (Anthropic Messages); ``stream: true`` streams its events as SSE."""
+    ctx.check_model(body.model)
+    ctx.check_admitting()
+    choice = _tool_choice(body.tool_choice)
+    tools = _tools(body, choice)
     thinking = isinstance(body.thinking, p.ThinkingEnabled)
     params = ctx.sampling_params(
         {
@@ -146,12 +170,13 @@ async def create_message(body: p.MessagesRequest, request: Request, ctx: Serving
             "stop": body.stop_sequences,
             "max_tokens": body.max_tokens,
             "grammar": forced_tool_grammar(ctx, tools, choice, thinking, CHAT_FIELDS),
+            "traffic_class": traffic_class(body, request),
         },
         FIELDS,
     )
     prompt = await encode_conversation(ctx, to_messages(body), tools, thinking, CHAT_FIELDS)
-    run = ChatRun(ctx, ctx.admit(prompt, params, FIELDS), prompt, params)
-    return await respond(request, run, MessagesRenderer(run, ctx.model_name), bool(body.stream))
+    run = ChatRun(ctx, ctx.admit(prompt, params, FIELDS, request.state.arrival_time), prompt, params)
+    return await respond(request, run, MessagesRenderer(run, ctx.model_name), bool(body.stream), FIELDS)
 
 
 class MessagesRenderer:

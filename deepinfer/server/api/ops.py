@@ -1,7 +1,8 @@
-"""Operational routes: ``GET /v1/models``, ``GET /health``, ``GET /metrics``.
+"""Operational routes: ``GET /v1/models``, ``GET /v1/models/{id}``, ``GET /health``, ``GET /metrics``.
 
-``/health`` never waits for the engine: it reads a flag, so it answers at once even when every
-admission slot is taken.
+``/health`` never waits for the engine: it reads flags, so it answers at once even when every
+admission slot is taken. It is 503 while the engine core is starting or restarting, after it
+failed, and while the server drains.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from fastapi import APIRouter
 from fastapi.responses import JSONResponse, Response
 
 from deepinfer.server.api.common import Serving
+from deepinfer.server.errors import ApiError
 from deepinfer.server.metrics import CONTENT_TYPE
 from deepinfer.server.protocol.common import ResponseModel
 
@@ -39,12 +41,31 @@ async def list_models(ctx: Serving) -> ModelList:
     return ModelList(data=[ModelCard(id=ctx.model_name, created=STARTED, max_model_len=ctx.max_model_len)])
 
 
+@router.get("/v1/models/{model_id:path}", response_model=ModelCard)
+async def get_model(model_id: str, ctx: Serving) -> ModelCard:
+    """One model by its id (404 unless it is the one served)."""
+    if model_id != ctx.model_name:
+        raise ApiError(
+            404, f"model {model_id!r} does not exist; this server serves {ctx.model_name!r}", param="model"
+        )
+    return ModelCard(id=ctx.model_name, created=STARTED, max_model_len=ctx.max_model_len)
+
+
 @router.get("/health")
 async def health(ctx: Serving) -> JSONResponse:
-    """200 while the engine thread runs, 503 once it has failed."""
-    if ctx.engine.healthy:
-        return JSONResponse({"status": "ok"})
-    return JSONResponse({"status": "unavailable", "reason": repr(ctx.engine.error)}, status_code=503)
+    """200 while an engine core serves and the server admits requests; 503 otherwise, with why."""
+    client = ctx.client
+    if ctx.draining:
+        reason = "the server is shutting down"
+    elif client.healthy:
+        return JSONResponse({"status": "ok", "engine_cores": client.core_pids()})
+    else:
+        reason = client.error or "the engine core is starting"
+    return JSONResponse(
+        {"status": "unavailable", "reason": reason},
+        status_code=503,
+        headers={"Retry-After": str(ctx.retry_after_s)},
+    )
 
 
 @router.get("/metrics")

@@ -37,7 +37,7 @@ from deepinfer.server.api.common import (
     output_schema,
     respond,
 )
-from deepinfer.server.context import ApiFields
+from deepinfer.server.context import ApiFields, traffic_class
 from deepinfer.server.errors import ApiError, Dialect
 from deepinfer.server.generation import ChatRun, ChoiceUpdate, FinishReason, Usage
 from deepinfer.server.protocol import responses as p
@@ -45,9 +45,17 @@ from deepinfer.server.sse import sse
 
 router = APIRouter()
 
-FIELDS = ApiFields(prompt="input", max_tokens="max_output_tokens")
+FIELDS = ApiFields(
+    prompt="input",
+    max_tokens="max_output_tokens",
+    renamed={"json_schema": "text.format", "grammar": "tool_choice"},
+)
 CHAT_FIELDS = ChatFields(
-    messages="input", tools="tools", tool_choice="tool_choice", thinking="reasoning.effort"
+    messages="input",
+    tools="tools",
+    tool_choice="tool_choice",
+    thinking="reasoning.effort",
+    tool_parameters="tools[{i}].parameters",
 )
 THINKING_EFFORTS = ("low", "medium", "high")
 
@@ -92,6 +100,7 @@ def _refuse_unsupported(body: p.ResponsesRequest) -> None:
 async def create_response(body: p.ResponsesRequest, request: Request, ctx: Serving) -> Response:
     """Create a model response (OpenAI Responses); ``stream: true`` streams its events as SSE."""
     ctx.check_model(body.model)
+    ctx.check_admitting()
     _refuse_unsupported(body)
     choice = (
         body.tool_choice if isinstance(body.tool_choice, str | None) else f"function:{body.tool_choice.name}"
@@ -103,7 +112,11 @@ async def create_response(body: p.ResponsesRequest, request: Request, ctx: Servi
     tools = offered_tools(specs, choice, CHAT_FIELDS)
     thinking = body.reasoning is not None and body.reasoning.effort in THINKING_EFFORTS
     fmt = body.text.format if body.text else None
-    schema = output_schema(fmt.type, fmt.schema_, "text.format", thinking, tools) if fmt else None
+    schema = (
+        output_schema(fmt.type, fmt.schema_, "text.format", "text.format.schema", thinking, tools)
+        if fmt
+        else None
+    )
     params = ctx.sampling_params(
         {
             "temperature": body.temperature,
@@ -111,12 +124,15 @@ async def create_response(body: p.ResponsesRequest, request: Request, ctx: Servi
             "max_tokens": body.max_output_tokens,
             "json_schema": schema,
             "grammar": forced_tool_grammar(ctx, tools, choice, thinking, CHAT_FIELDS),
+            "traffic_class": traffic_class(body, request),
         },
         FIELDS,
     )
     prompt = await encode_conversation(ctx, to_messages(body), tools, thinking, CHAT_FIELDS)
-    run = ChatRun(ctx, ctx.admit(prompt, params, FIELDS), prompt, params)
-    return await respond(request, run, ResponsesRenderer(run, ctx.model_name, body), bool(body.stream))
+    run = ChatRun(ctx, ctx.admit(prompt, params, FIELDS, request.state.arrival_time), prompt, params)
+    return await respond(
+        request, run, ResponsesRenderer(run, ctx.model_name, body), bool(body.stream), FIELDS
+    )
 
 
 class ResponsesRenderer:

@@ -15,6 +15,8 @@ class RequestModel(BaseModel):
 
     model_config = ConfigDict(extra="ignore")
 
+    traffic_class: str | None = None  # KV store retention class (else the X-DeepInfer-Traffic-Class header)
+
 
 class ResponseModel(BaseModel):
     model_config = ConfigDict(extra="forbid")

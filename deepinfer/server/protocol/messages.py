@@ -70,19 +70,28 @@ class ThinkingDisabled(RequestModel):
     type: Literal["disabled"]
 
 
-class MessagesRequest(RequestModel):
+class CountTokensRequest(RequestModel):
+    """``POST /v1/messages/count_tokens``: the conversation part of a Messages request."""
+
     model: str
-    max_tokens: int = Field(ge=1)
     messages: list[Message] = Field(min_length=1)
     system: str | list[TextBlock] | None = None
+    tools: list[ToolDefinition] | None = None
+    tool_choice: ToolChoice | None = None
+    thinking: Annotated[ThinkingEnabled | ThinkingDisabled, Field(discriminator="type")] | None = None
+
+
+class TokenCount(ResponseModel):
+    input_tokens: int
+
+
+class MessagesRequest(CountTokensRequest):
+    max_tokens: int = Field(ge=1)
     temperature: float | None = Field(None, ge=0.0, le=1.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     top_k: int | None = Field(None, ge=0)
     stop_sequences: list[StopString] | None = None
     stream: bool | None = False
-    tools: list[ToolDefinition] | None = None
-    tool_choice: ToolChoice | None = None
-    thinking: Annotated[ThinkingEnabled | ThinkingDisabled, Field(discriminator="type")] | None = None
     metadata: dict[str, Any] | None = None
 
 

@@ -1,0 +1,120 @@
+"""Build and load the fast CPU backend's C++ kernels (``csrc/kernels.cpp``) as torch ops.
+
+The kernels are compiled with torch's extension tooling (``torch.utils.cpp_extension``: a C++17
+compiler and ninja) into ``DEEPINFER_CACHE_DIR/cpu_ops/<key>``, where the key digests the source, the
+torch version and this CPU's instruction-set flags (the code is built with ``-march=native``), so a
+build is reused across processes and runs and redone only when one of those changes. ``./build.sh``
+builds it ahead of time; otherwise the first activation does (about a minute on 2 cores). The ops land
+in ``torch.ops.deepinfer_cpu``.
+
+``toolchain_problem()`` says what is missing when the host cannot build them, so the platform can
+choose the reference backend loudly (``DEEPINFER_CPU_BACKEND=auto``) or refuse (``=fast``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import platform
+import shutil
+import threading
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from deepinfer import envs
+from deepinfer.logger import get_logger
+
+logger = get_logger(__name__)
+
+SOURCE = Path(__file__).resolve().parent / "csrc" / "kernels.cpp"
+_FLAGS = ["-O3", "-march=native", "-fopenmp"]
+_lock = threading.Lock()
+_loaded = False
+
+
+class NativeBuildError(RuntimeError):
+    """The C++ kernels of the fast CPU backend could not be built or loaded (the message says why)."""
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def cpu_has_bf16() -> bool:
+    """Whether this CPU computes in bfloat16 natively (AVX-512 BF16 or AMX-BF16); without them bf16
+    is a storage format that every op converts to float32 and back."""
+    flags = set(_cpu_flags().split())
+    return bool({"avx512_bf16", "amx_bf16"} & flags)
+
+
+def build_key() -> str:
+    digest = hashlib.sha256()
+    for part in (
+        SOURCE.read_bytes(),
+        torch.__version__.encode(),
+        _cpu_flags().encode(),
+        " ".join(_FLAGS).encode(),
+    ):
+        digest.update(part)
+    return digest.hexdigest()[:16]
+
+
+def build_dir() -> Path:
+    return Path(os.path.expanduser(envs.get("DEEPINFER_CACHE_DIR"))) / "cpu_ops" / build_key()
+
+
+def toolchain_problem() -> str | None:
+    """None when the kernels are built already or can be built here; else what is missing."""
+    if (build_dir() / "deepinfer_cpu_ops.so").is_file():
+        return None
+    from torch.utils import cpp_extension
+
+    compiler = os.environ.get("CXX", "c++")
+    if shutil.which(compiler) is None:
+        return f"no C++ compiler ({compiler!r} not on PATH; install g++ or set CXX)"
+    if not cpp_extension.is_ninja_available():
+        return "ninja is not installed (pip install ninja, or the system package)"
+    return None
+
+
+def load() -> Any:
+    """Build (if needed) and load the kernels; returns ``torch.ops.deepinfer_cpu``. Idempotent."""
+    global _loaded
+    with _lock:
+        if not _loaded:
+            problem = toolchain_problem()
+            if problem is not None:
+                raise NativeBuildError(f"cannot build the fast CPU kernels: {problem}")
+            from torch.utils import cpp_extension
+
+            target = build_dir()
+            target.mkdir(parents=True, exist_ok=True)
+            if not (target / "deepinfer_cpu_ops.so").is_file():
+                logger.info("building the fast CPU kernels into %s (once per source/torch/CPU)", target)
+            try:
+                cpp_extension.load(
+                    name="deepinfer_cpu_ops",
+                    sources=[str(SOURCE)],
+                    build_directory=str(target),
+                    extra_cflags=_FLAGS,
+                    extra_ldflags=["-fopenmp"],
+                    is_python_module=False,
+                    verbose=False,
+                )
+            except (RuntimeError, OSError, ImportError) as exc:
+                raise NativeBuildError(f"building {SOURCE.name} in {target} failed: {exc}") from exc
+            _loaded = True
+    return torch.ops.deepinfer_cpu
+
+
+if __name__ == "__main__":  # ./build.sh: python -m deepinfer.backends.cpu.native
+    load()
+    print(f"fast CPU kernels ready in {build_dir()}")

@@ -1,0 +1,197 @@
+"""KV store speed: TTFT of a stored 8,000-token prefix (disk tier, host tier) against a cold prefill,
+and offline throughput with the store on (every lookup missing) against the store off.
+
+    .venv/bin/python bench/kv_store.py [--prompt-len 8000] [--reps 3] [--out bench/results/kv_store.json]
+
+TTFT, per rep in this order (so the three alternate): cold (prefix caching off, the same prompt),
+disk (a fresh engine on the store path: device and host empty; the prompt's files are dropped from the
+page cache with posix_fadvise first, so the disk is really read), host (the same engine after a filler
+prompt evicted the prefix from the device). Throughput: ``deepinfer bench offline``'s workload, store
+off and store on with a new empty directory each run (every lookup misses, every full block is saved
+and written behind), alternated A B A B; medians. The bundled model's max_model_len is 8192
+(max_position_embeddings), so an 8,000-token prompt fits without raising it. ``--swa`` adds the bounded
+SWA replay's logit drift on a random sliding-window model (transformers writes it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+from deepinfer import LLM, SamplingParams
+from deepinfer.bench.offline import run_offline
+from deepinfer.bench.report import environment
+from deepinfer.bench.workload import Workload, heldout_stream
+from deepinfer.kvstore.config import KVStoreConfig
+from deepinfer.malloc_tuning import reexec_with_malloc_tuning
+
+ONE = SamplingParams(temperature=0.0, max_tokens=1)
+
+
+def ttft(llm: LLM, prompt: list[int]) -> tuple[float, int, list[int]]:
+    out = llm.generate(prompt_token_ids=[prompt], sampling_params=ONE)[0]
+    return out.metrics.ttft, out.num_cached_tokens, out.outputs[0].token_ids
+
+
+def drop_page_cache(folder: Path) -> None:
+    for path in folder.rglob("*.kvb"):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def bench_ttft(prompt_len: int, reps: int, root: Path) -> dict:
+    blocks = -(-8192 // 16) + 8
+    cold_llm = LLM(max_model_len=8192, enable_prefix_caching=False, num_kv_blocks=blocks)
+    stream = heldout_stream(cold_llm.engine.tokenizer)
+    rng = random.Random(0)
+    start = rng.randrange(len(stream) - 2 * prompt_len)
+    prompt, filler = stream[start : start + prompt_len], stream[start + prompt_len : start + 2 * prompt_len]
+    store = KVStoreConfig(path=str(root / "store"), host_cache_gib=0.5)
+    writer = LLM(max_model_len=8192, num_kv_blocks=blocks, kv_store=store)
+    _, _, reference = ttft(writer, prompt)
+    writer.engine.kv_connector.store.flush(60)
+    writer.engine.kv_connector.close()
+    del writer
+    ttft(cold_llm, prompt[:64])  # warm-up
+    runs = {"cold": [], "disk": [], "host": []}
+    cached = {"cold": [], "disk": [], "host": []}
+    for _ in range(reps):
+        t, c, tokens = ttft(cold_llm, prompt)
+        runs["cold"].append(t)
+        cached["cold"].append(c)
+        assert tokens == reference
+        drop_page_cache(root / "store")
+        llm = LLM(max_model_len=8192, num_kv_blocks=blocks, kv_store=store)
+        ttft(llm, filler[:64])  # warm-up, unrelated tokens
+        t, c, tokens = ttft(llm, prompt)
+        runs["disk"].append(t)
+        cached["disk"].append(c)
+        assert tokens == reference
+        ttft(llm, filler)  # evicts the prefix from the device cache (the host tier keeps it)
+        t, c, tokens = ttft(llm, prompt)
+        runs["host"].append(t)
+        cached["host"].append(c)
+        assert tokens == reference
+        stats = llm.engine.kv_store_stats()
+        llm.engine.kv_connector.close()
+        del llm
+    med = {k: statistics.median(v) for k, v in runs.items()}
+    return {
+        "prompt_tokens": prompt_len,
+        "ttft_s": runs,
+        "median_ttft_s": med,
+        "cached_tokens": cached,
+        "speedup_disk_vs_cold": med["cold"] / med["disk"],
+        "speedup_host_vs_cold": med["cold"] / med["host"],
+        "last_engine_store_stats": stats,
+        "env": environment(cold_llm.engine),
+    }
+
+
+def bench_throughput(reps: int, root: Path) -> dict:
+    workload = Workload()
+    results = {"off": [], "on_all_miss": []}
+    for rep in range(reps):
+        for side in ("off", "on_all_miss"):
+            store = KVStoreConfig(path=str(root / f"miss-{rep}")) if side == "on_all_miss" else None
+            llm = LLM(kv_store=store)
+            r = run_offline(llm, workload)
+            if store is not None:
+                hits = llm.engine.kv_store_stats()["hit_blocks"]
+                assert hits == 0, f"expected every lookup to miss, {hits} blocks hit"
+                llm.engine.kv_connector.close()
+            results[side].append(r["output_tokens_per_s"])
+            del llm
+    med = {k: statistics.median(v) for k, v in results.items()}
+    return {
+        "output_tokens_per_s": results,
+        "median_output_tokens_per_s": med,
+        "ratio_on_over_off": med["on_all_miss"] / med["off"],
+        "workload": workload.describe(),
+    }
+
+
+def bench_swa_drift(root: Path) -> dict:
+    """Bounded replay's drift: max |logprob| difference over the top-20 of 8 greedy steps, against a
+    cold run, on a random 3-layer model (2 sliding-window layers, window 64) and a 600-token prompt."""
+    import torch
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    torch.manual_seed(0)
+    cfg = dict(vocab_size=256, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+               num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1,
+               n_routed_experts=8, kv_lora_rank=32, q_lora_rank=48, qk_rope_head_dim=16, v_head_dim=24,
+               qk_nope_head_dim=16, n_group=4, topk_group=2, num_experts_per_tok=2, first_k_dense_replace=1,
+               max_position_embeddings=1024, initializer_range=0.1, num_nextn_predict_layers=0)  # fmt: skip
+    model = DeepseekV3ForCausalLM(DeepseekV3Config(**cfg)).eval()
+    folder = root / "swa-model"
+    model.save_pretrained(folder)
+    raw = json.loads((folder / "config.json").read_text())
+    raw.update(sliding_window=64, layer_types=["sliding_attention", "full_attention", "sliding_attention"])
+    (folder / "config.json").write_text(json.dumps(raw))
+    prompt = [(i * 37 + 11) % 250 + 2 for i in range(600)]
+    sp = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=20)
+
+    def rows(out):
+        return [{t: lp.logprob for t, lp in step.items()} for step in out.outputs[0].logprobs]
+
+    cold = rows(LLM(model=str(folder)).generate(prompt_token_ids=[prompt], sampling_params=sp)[0])
+    out = {}
+    for mode, tokens in (("exact", 128), ("bounded", 128), ("bounded", 64), ("bounded", 32)):
+        store = KVStoreConfig(path=str(root / f"swa-{mode}-{tokens}"), host_cache_gib=0.05, swa_replay=mode,
+                              swa_replay_tokens=tokens)  # fmt: skip
+        LLM(model=str(folder), kv_store=store).generate(prompt_token_ids=[prompt], sampling_params=sp)
+        hit = rows(
+            LLM(model=str(folder), kv_store=store).generate(prompt_token_ids=[prompt], sampling_params=sp)[0]
+        )
+        drift = max(abs(a[t] - b[t]) for a, b in zip(hit, cold) for t in a.keys() & b.keys())
+        out[f"{mode}_{tokens if mode == 'bounded' else 'receptive_field'}"] = drift
+    return {"max_abs_logprob_drift": out, "window": 64, "swa_layers": 2, "prompt_tokens": 600}
+
+
+def main() -> None:
+    reexec_with_malloc_tuning()
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--prompt-len", type=int, default=8000)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--skip-throughput", action="store_true")
+    ap.add_argument("--swa", action="store_true")
+    ap.add_argument("--out", default="bench/results/kv_store.json")
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory(prefix="kvstore-bench-", dir=os.environ.get("TMPDIR")) as tmp:
+        root = Path(tmp)
+        t0 = time.perf_counter()
+        result = {"ttft": bench_ttft(args.prompt_len, args.reps, root)}
+        print(
+            json.dumps(
+                {
+                    k: result["ttft"][k]
+                    for k in ("median_ttft_s", "speedup_disk_vs_cold", "speedup_host_vs_cold")
+                }
+            )
+        )
+        if not args.skip_throughput:
+            result["throughput"] = bench_throughput(args.reps, root)
+            print(
+                json.dumps(
+                    {k: result["throughput"][k] for k in ("median_output_tokens_per_s", "ratio_on_over_off")}
+                )
+            )
+        if args.swa:
+            result["swa"] = bench_swa_drift(root)
+            print(json.dumps(result["swa"]))
+        result["bench_wall_s"] = time.perf_counter() - t0
+    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,15 @@
+"""deepinfer.kvstore: the KV store beyond the device, shared by engine processes and hosts.
+
+Named ``kvstore`` (not ``kv_cache``) because it is a *store* in the storage sense: content-addressed,
+write-once records that outlive the process that wrote them, with tiers (host memory, a local disk
+directory, a shared filesystem directory), retention by traffic class and crash-safe files. The device
+side (which request holds which device block, the in-memory prefix index) stays in
+``deepinfer.engine.kv_cache_manager``; this package is what that cache spills to and loads from, and
+what a prefill worker hands a decode worker's blocks through.
+
+Modules: ``keys`` (the versioned key namespace), ``record`` (the on-disk block format),
+``retention`` (pure TTL and eviction policy, clock injected), ``host_tier`` / ``file_tier`` (the
+tiers), ``store`` (the tiered store with asynchronous batched load/save and leases), ``metrics``
+(plain-data counters), ``connector`` (the engine's hooks), ``config`` (``KVStoreConfig``) and ``cli``.
+Importing this package imports nothing heavy; torch is needed only by the host tier and connector.
+"""

@@ -1,0 +1,140 @@
+"""Offline inspection and upkeep of a store directory: ``deepinfer kvstore stats|verify|gc PATH``.
+
+Works on any disk or shared tier directory (``PATH/kv1/<namespace>/...``) without an engine, while
+engines use it: it only reads, and removes files that are expired, bad or stale temporaries (removing
+is safe under readers: a reader that loses the race sees a miss). Results are plain dicts, one per
+namespace folder, printed as JSON by the CLI.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+from deepinfer.kvstore import record
+from deepinfer.kvstore.file_tier import STALE_TMP_S, SUFFIX
+from deepinfer.kvstore.retention import Entry, plan_eviction
+
+
+def namespaces(root: Path) -> list[Path]:
+    base = Path(root) / "kv1"
+    if not base.is_dir():
+        raise ValueError(f"{root} holds no deepinfer KV store (no kv1/ folder)")
+    return sorted(p for p in base.iterdir() if p.is_dir())
+
+
+def _files(ns_dir: Path) -> Iterator[os.DirEntry]:
+    for sub in ns_dir.iterdir():
+        if sub.is_dir() and sub.name != "stats":
+            yield from os.scandir(sub)
+
+
+def _check(entry: os.DirEntry, ns_dir: Path) -> str | None:
+    """None for a good record, else the reason it is bad."""
+    try:
+        raw = Path(entry.path).read_bytes()
+        key = bytes.fromhex(entry.name[: -len(SUFFIX)])
+        _, namespace, *_ = record.decode_header(raw)
+        if not namespace.hex().startswith(ns_dir.name):
+            raise record.RecordError("namespace", "header namespace differs from its folder")
+        record.decode(raw, key, namespace)
+    except record.RecordError as e:
+        return e.reason
+    except ValueError:
+        return "name"
+    return None
+
+
+def stats(root: Path, verify: bool = False, now: float | None = None) -> list[dict]:
+    """Per namespace: entries, bytes, entries and bytes by traffic class (the first writer's),
+    expired entries, temporary files, and (``verify``) bad records by reason; plus the hit counts the
+    engines that used it last recorded (``stats/``)."""
+    now = time.time() if now is None else now
+    out = []
+    for ns_dir in namespaces(root):
+        info = {"namespace": ns_dir.name, "entries": 0, "bytes": 0, "expired": 0, "temporary": 0}
+        by_class: dict[str, dict[str, int]] = {}
+        bad: dict[str, int] = {}
+        for entry in _files(ns_dir):
+            st = entry.stat()
+            if entry.name.startswith(".tmp."):
+                info["temporary"] += 1
+                continue
+            if not entry.name.endswith(SUFFIX):
+                continue
+            info["entries"] += 1
+            info["bytes"] += st.st_size
+            info["expired"] += st.st_mtime <= now
+            with open(entry.path, "rb") as f:
+                head = f.read(record.HEADER_SIZE)
+            try:
+                cls = record.decode_header(head)[4]
+            except record.RecordError:
+                cls = "(unreadable)"
+            c = by_class.setdefault(cls, {"entries": 0, "bytes": 0})
+            c["entries"] += 1
+            c["bytes"] += st.st_size
+            if verify:
+                reason = _check(entry, ns_dir)
+                if reason is not None:
+                    bad[reason] = bad.get(reason, 0) + 1
+        info["by_class"] = by_class
+        if verify:
+            info["bad"] = bad
+        meta = ns_dir / "NAMESPACE.json"
+        info["describes"] = json.loads(meta.read_text()) if meta.is_file() else None
+        info["hits_by_class"] = _recorded_hits(ns_dir)
+        out.append(info)
+    return out
+
+
+def _recorded_hits(ns_dir: Path) -> dict[str, int]:
+    hits: dict[str, int] = {}
+    stats_dir = ns_dir / "stats"
+    if stats_dir.is_dir():
+        for path in stats_dir.glob("*.json"):
+            try:
+                data = json.loads(path.read_text())
+            except (OSError, ValueError):
+                continue
+            for cls, n in data.get("hits_by_class", {}).items():
+                hits[cls] = hits.get(cls, 0) + int(n)
+    return hits
+
+
+def gc(root: Path, capacity_bytes: int | None = None, now: float | None = None) -> list[dict]:
+    """Remove expired records, bad records and stale temporary files; with ``capacity_bytes``, then
+    evict least recently used records until each namespace fits. Returns what was removed."""
+    now = time.time() if now is None else now
+    out = []
+    for ns_dir in namespaces(root):
+        done = {"namespace": ns_dir.name, "expired": 0, "bad": 0, "temporary": 0, "evicted": 0}
+        live: list[tuple[Entry, str]] = []
+        for entry in _files(ns_dir):
+            st = entry.stat()
+            if entry.name.startswith(".tmp."):
+                if now - st.st_mtime > STALE_TMP_S:
+                    os.unlink(entry.path)
+                    done["temporary"] += 1
+                continue
+            if not entry.name.endswith(SUFFIX):
+                continue
+            if st.st_mtime <= now:
+                os.unlink(entry.path)
+                done["expired"] += 1
+            elif _check(entry, ns_dir) is not None:
+                os.unlink(entry.path)
+                done["bad"] += 1
+            else:
+                live.append((Entry(entry.name.encode(), st.st_size, st.st_atime, st.st_mtime), entry.path))
+        if capacity_bytes is not None:
+            paths = {e.key: p for e, p in live}
+            victims, _ = plan_eviction([e for e, _ in live], now, capacity_bytes, high=1.0, low=1.0)
+            for key in victims:
+                os.unlink(paths[key])
+            done["evicted"] = len(victims)
+        out.append(done)
+    return out

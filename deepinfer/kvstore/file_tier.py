@@ -1,0 +1,304 @@
+"""A store tier in a directory: one write-once, checksummed file per block.
+
+Used twice: ``disk`` (a directory on local SSD, one engine process owns it) and ``shared`` (a
+directory on a shared filesystem mount such as 3FS, NFS, CephFS or JuiceFS that many engine
+processes on many hosts read and write at once). Layout:
+``ROOT/kv1/<namespace hex[:32]>/<key hex[:2]>/<key hex>.kvb`` plus ``NAMESPACE.json`` describing the
+namespace. Retention metadata lives in the file times: mtime = expiry, atime = last use (set
+explicitly; both are updated in place without rewriting content).
+
+Crash safety: a record is written to a temporary file (``O_EXCL``, unique name per writer), fsynced,
+then hard-linked to its final name (``link`` never replaces: the first writer wins, a loser just
+drops its temporary file), and the directory is fsynced once per batch. A reader therefore sees no
+file or a complete one; what a crash leaves is a temporary file, never served and collected after
+``STALE_TMP_S``. Every read verifies the record (``record.decode``); a bad one is a miss that is
+counted, logged once per tier and reason, and removed. The index is rebuilt from the directory at
+start. Thread safety: the index is guarded by ``lock``, held only around index changes, never
+during file I/O, so a lookup from the engine thread never waits for an fsync.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import os
+import secrets
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+from deepinfer.kvstore import record
+from deepinfer.kvstore.metrics import TierCounters
+from deepinfer.kvstore.retention import Entry, RetentionPolicy, expired, plan_eviction
+from deepinfer.logger import get_logger
+
+logger = get_logger(__name__)
+
+STALE_TMP_S = 600.0  # a temporary file older than this belongs to a writer that died
+SUFFIX = ".kvb"
+
+
+class FileTier:
+    def __init__(
+        self,
+        name: str,
+        root: Path,
+        namespace: bytes,
+        namespace_info: dict,
+        capacity_bytes: int,
+        shared: bool,
+        policy: RetentionPolicy,
+        counters: TierCounters,
+        clock: Callable[[], float],
+    ) -> None:
+        self.name = name
+        self.dir = Path(root) / "kv1" / namespace.hex()[:32]
+        self.namespace = namespace
+        self.capacity = capacity_bytes
+        self.shared = shared
+        self.policy = policy
+        self.counters = counters
+        self.clock = clock
+        self.index: dict[bytes, Entry] = {}
+        self.used = 0
+        self._logged: set[str] = set()
+        self.lock = threading.RLock()
+        self.held: set[bytes] = set()  # keys under a store hold: never evicted
+        self.dir.mkdir(parents=True, exist_ok=True)
+        info = self.dir / "NAMESPACE.json"
+        if not info.is_file():
+            self._write_atomic(info, json.dumps(namespace_info, indent=1, sort_keys=True).encode())
+        self.rescan()
+
+    # ------------------------------------------------------------------ index
+    def path(self, key: bytes) -> Path:
+        h = key.hex()
+        return self.dir / h[:2] / (h + SUFFIX)
+
+    def rescan(self) -> None:
+        """Rebuild the index from the directory: every final file (sizes below a header are removed
+        as corrupt), and stale temporary files deleted."""
+        now = self.clock()
+        index: dict[bytes, Entry] = {}
+        for sub in self.dir.iterdir():
+            if not sub.is_dir() or sub.name == "stats":
+                continue
+            for entry in os.scandir(sub):
+                try:
+                    st = entry.stat()
+                except FileNotFoundError:
+                    continue
+                if entry.name.startswith(".tmp."):
+                    if now - st.st_mtime > STALE_TMP_S and st.st_mtime <= now:
+                        _unlink(entry.path)
+                    continue
+                if not entry.name.endswith(SUFFIX):
+                    continue
+                try:
+                    key = bytes.fromhex(entry.name[: -len(SUFFIX)])
+                except ValueError:
+                    continue
+                if st.st_size < record.HEADER_SIZE:
+                    self._corrupt(key, "empty" if st.st_size == 0 else "truncated", Path(entry.path))
+                    continue
+                index[key] = Entry(key, st.st_size, st.st_atime, st.st_mtime)
+        with self.lock:
+            self.index = index
+            self.used = sum(e.size for e in index.values())
+            self._gauges()
+
+    def _known(self, key: bytes) -> Entry | None:
+        entry = self.index.get(key)
+        if entry is None and self.shared:  # another process may have written it
+            try:
+                st = self.path(key).stat()
+            except FileNotFoundError:
+                return None
+            entry = Entry(key, st.st_size, st.st_atime, st.st_mtime)
+            with self.lock:
+                if key not in self.index:
+                    self.index[key] = entry
+                    self.used += entry.size
+        return entry
+
+    def contains(self, key: bytes, now: float) -> bool:
+        entry = self._known(key)
+        return entry is not None and entry.expires_at > now
+
+    # ------------------------------------------------------------------ read
+    def read(self, key: bytes, now: float) -> memoryview | None:
+        """The verified payload of ``key``, or None (missing, expired or bad: bad files are removed)."""
+        entry = self._known(key)
+        if entry is None or entry.expires_at <= now:
+            return None
+        path = self.path(key)
+        try:
+            raw = path.read_bytes()
+        except FileNotFoundError:
+            self._drop(key)
+            return None
+        try:
+            payload = record.decode(raw, key, self.namespace)
+        except record.RecordError as e:
+            with self.lock:
+                self._corrupt(key, e.reason, path)
+            return None
+        with self.lock:
+            self.counters.hits += 1
+            self.counters.bytes_read += len(raw)
+        return payload
+
+    def touch(self, key: bytes, now: float, cls: str) -> None:
+        """A hit or a repeated save: last use = now, expiry extended for ``cls`` (never shortened)."""
+        with self.lock:
+            entry = self.index.get(key)
+            if entry is None or entry.expires_at <= now:  # an expired entry is never revived
+                return
+            entry.last_used = now
+            entry.expires_at = self.policy.expiry(entry.expires_at, now, cls)
+            times = (now, entry.expires_at)
+        try:
+            os.utime(self.path(key), times)
+        except FileNotFoundError:
+            self._drop(key)
+
+    # ------------------------------------------------------------------ write
+    def write_batch(self, items: list[tuple[bytes, bytes | memoryview, str]], now: float) -> None:
+        """Write (key, payload, class) records; keys already present are only touched. Durable when
+        this returns (files and directories fsynced)."""
+        dirs: set[Path] = set()
+        for key, payload, cls in items:
+            if self._known(key) is not None:
+                self.touch(key, now, cls)
+                continue
+            size = record.HEADER_SIZE + len(payload)
+            with self.lock:
+                fits = self._make_room(size, now)
+            if not fits:
+                continue
+            path = self.path(key)
+            path.parent.mkdir(exist_ok=True)
+            expiry = self.policy.expiry(None, now, cls)
+            header = record.encode_header(key, self.namespace, payload, now, cls)
+            won = self._write_once(path, header, payload, now, expiry)
+            with self.lock:
+                if won:
+                    self.counters.writes += 1
+                    self.counters.bytes_written += size
+                    dirs.add(path.parent)
+                if key not in self.index:
+                    self.index[key] = Entry(key, size, now, expiry)
+                    self.used += size
+                self._gauges()
+        for d in dirs:
+            _fsync_dir(d)
+
+    def _write_once(
+        self, path: Path, header: bytes, payload: bytes | memoryview, now: float, expiry: float
+    ) -> bool:
+        tmp = path.parent / f".tmp.{path.name}.{os.getpid()}.{secrets.token_hex(4)}"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            os.write(fd, header)
+            view = memoryview(payload)
+            while view:
+                view = view[os.write(fd, view) :]
+            os.utime(fd, (now, expiry))
+            os.fsync(fd)
+        except BaseException:
+            os.close(fd)
+            _unlink(tmp)
+            raise
+        os.close(fd)
+        try:
+            os.link(tmp, path)
+            return True
+        except FileExistsError:
+            return False  # another writer committed the same key first; its bytes are the same block
+        finally:
+            _unlink(tmp)
+
+    def _write_atomic(self, path: Path, data: bytes) -> None:
+        tmp = path.parent / f".tmp.{path.name}.{os.getpid()}.{secrets.token_hex(4)}"
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        try:
+            os.link(tmp, path)
+        except FileExistsError:
+            pass
+        finally:
+            _unlink(tmp)
+        _fsync_dir(path.parent)
+
+    # ------------------------------------------------------------------ retention
+    def _make_room(self, incoming: int, now: float) -> bool:
+        if self.used + incoming <= 0.95 * self.capacity:
+            return True
+        if self.shared:
+            self.rescan()  # other writers changed the directory: plan on what is really there
+        entries = [
+            Entry(e.key, e.size, e.last_used, e.expires_at, e.key in self.held) for e in self.index.values()
+        ]
+        victims, fits = plan_eviction(entries, now, self.capacity, incoming)
+        for key in victims:
+            expired_now = self.index[key].expires_at <= now
+            self.remove(key)
+            if expired_now:
+                self.counters.expirations += 1
+            else:
+                self.counters.evictions += 1
+        return fits
+
+    def collect(self, now: float) -> int:
+        """Remove every expired entry; returns how many."""
+        with self.lock:
+            keys = expired(self.index.values(), now)
+            for key in keys:
+                self.remove(key)
+            self.counters.expirations += len(keys)
+            self._gauges()
+        return len(keys)
+
+    def remove(self, key: bytes) -> None:
+        _unlink(self.path(key))
+        self._drop(key)
+
+    def _drop(self, key: bytes) -> None:
+        with self.lock:
+            entry = self.index.pop(key, None)
+            if entry is not None:
+                self.used -= entry.size
+                self._gauges()
+
+    def _corrupt(self, key: bytes, reason: str, path: Path) -> None:
+        self.counters.corrupt_reads += 1
+        if reason not in self._logged:
+            self._logged.add(reason)
+            logger.warning(
+                "kv store %s: %s is bad (%s); treated as a miss and removed", self.name, path, reason
+            )
+        _unlink(path)
+        self._drop(key)
+
+    def _gauges(self) -> None:
+        self.counters.entries = len(self.index)
+        self.counters.bytes = self.used
+
+
+def _unlink(path: str | Path) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    except OSError as e:  # some filesystems (and FUSE mounts) refuse fsync on directories
+        if e.errno not in (errno.EINVAL, errno.ENOTSUP):
+            raise
+    finally:
+        os.close(fd)

@@ -1,0 +1,401 @@
+"""The tiered KV store: batched lookup, asynchronous batched load and save, leases, write-behind.
+
+One ``KVStore`` per pool and namespace (see ``keys.StoreNamespace``), created by the engine's
+connector (or by a tool such as a prefill/decode handoff). Tiers, fastest first: ``host`` (a slot
+pool in host memory, always present: it is where loads land and saves start), ``disk`` and
+``shared`` (``FileTier`` directories), each optional and sized by the user. A key is served by the
+fastest tier holding it; a load from a file tier promotes the block into host memory; a save commits
+into host memory and is written behind (a background thread) to disk and shared. Blocks are bytes:
+``slot_bytes`` per block, laid out by the caller (the connector copies each cache layer's block
+tensors into its slot in a fixed order that ``keys.LAYOUT_VERSION`` names).
+
+Nothing here blocks the engine step: ``lookup`` reads in-memory indexes (and, for the shared tier,
+stats a file for keys it has not seen); ``load`` returns a ``LoadHandle`` at once and reads files on
+the loader thread; ``commit`` queues the write. Leases: a slot being filled or read is leased (never
+evicted), and ``hold(keys, seconds)`` keeps a request's entries from eviction until released or
+expired, which is how a prefill worker keeps blocks for the decode worker it hands their keys to.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import queue
+import socket
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from deepinfer.kvstore.file_tier import FileTier
+from deepinfer.kvstore.host_tier import HostTier
+from deepinfer.kvstore.keys import StoreNamespace
+from deepinfer.kvstore.metrics import StoreMetrics
+from deepinfer.kvstore.retention import RetentionPolicy
+
+
+@dataclass(frozen=True, slots=True)
+class DirSpec:
+    """A file tier: a directory and its capacity in bytes."""
+
+    path: Path
+    capacity_bytes: int
+
+
+class LoadHandle:
+    """An asynchronous load of leading blocks into host slots (created by ``KVStore.load``).
+
+    When ``done()``, ``slots[i]`` holds block ``keys[i]`` for ``i < num_loaded`` (a key found bad or
+    missing ends the prefix there); each of those slots is leased until ``release()``.
+    """
+
+    def __init__(self, store: KVStore, keys: list[bytes], future: Future[list[int]]) -> None:
+        self._store = store
+        self.keys = keys
+        self._future = future
+        self.started = time.perf_counter()
+        self._released = False
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    @property
+    def slots(self) -> list[int]:
+        return self._future.result()
+
+    @property
+    def num_loaded(self) -> int:
+        return len(self.slots)
+
+    def wait(self, timeout: float | None = None) -> int:
+        return len(self._future.result(timeout))
+
+    def release(self) -> None:
+        if self._released:
+            return
+        self._released = True
+        self._store._release(self._future.result())
+
+
+class KVStore:
+    READ_THREADS = 4  # file reads in flight per load
+
+    def __init__(
+        self,
+        namespace: StoreNamespace,
+        slot_bytes: int,
+        host_slots: int,
+        policy: RetentionPolicy,
+        disk: DirSpec | None = None,
+        shared: DirSpec | None = None,
+        pin_memory: bool = False,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.namespace = namespace
+        self.ns_digest = namespace.digest()
+        self.slot_bytes = slot_bytes
+        self.policy = policy
+        self.clock = clock
+        self.metrics = StoreMetrics()
+        self._lock = threading.RLock()  # guards the host tier, holds and metrics
+        self.host = HostTier(host_slots, slot_bytes, pin_memory, policy, self.metrics.tier("host"), clock)
+        self.files: list[FileTier] = []
+        for name, spec in (("disk", disk), ("shared", shared)):
+            if spec is not None:
+                self.files.append(
+                    FileTier(
+                        name,
+                        spec.path,
+                        self.ns_digest,
+                        namespace.describe(),
+                        spec.capacity_bytes,
+                        name == "shared",
+                        policy,
+                        self.metrics.tier(name),
+                        clock,
+                    )
+                )
+        self._holds: dict[int, tuple[list[bytes], list[int], float]] = {}
+        self._hold_ids = itertools.count(1)
+        self._loader = ThreadPoolExecutor(1, thread_name_prefix="deepinfer-kv-load")
+        self._readers = ThreadPoolExecutor(self.READ_THREADS, thread_name_prefix="deepinfer-kv-read")
+        # (key, slot or None for a touch, class) for the writer thread; None stops it
+        self._writes: queue.Queue[tuple[bytes, int | None, str] | None] = queue.Queue()
+        self._pending = 0
+        self._idle = threading.Condition(self._lock)
+        self._writer = threading.Thread(target=self._write_loop, name="deepinfer-kv-write", daemon=True)
+        self._writer.start()
+        self._closed = False
+        self._last_collect = clock()
+
+    # ------------------------------------------------------------------ lookup
+    def lookup(self, keys: Sequence[bytes], cls: str | None = None) -> int:
+        """How many leading ``keys`` some tier holds, unexpired (host first, then disk, shared)."""
+        now = self.clock()
+        found = 0
+        with self._lock:
+            for key in keys:
+                if self.host.get(key, now) is None and not any(t.contains(key, now) for t in self.files):
+                    break
+                found += 1
+            m = self.metrics
+            m.lookups += 1
+            m.lookup_blocks += len(keys)
+            m.hit_blocks += found
+            m.misses += found < len(keys)
+            if found and cls is not None:
+                m.hits_by_class[cls] = m.hits_by_class.get(cls, 0) + found
+        return found
+
+    # ------------------------------------------------------------------ load
+    def load(self, keys: Sequence[bytes], cls: str) -> LoadHandle:
+        """Start loading ``keys`` (leading blocks) into leased host slots; returns at once."""
+        keys = list(keys)
+        return LoadHandle(self, keys, self._loader.submit(self._load, keys, cls))
+
+    def _load(self, keys: list[bytes], cls: str) -> list[int]:
+        start = time.perf_counter()
+        now = self.clock()
+        with self._lock:
+            in_host = [self.host.get(key, now) is not None for key in keys]
+        # Files are read ahead on the reader threads (reads release the GIL), consumed in order.
+        reads = {
+            i: self._readers.submit(self._read_files, key, now, cls)
+            for i, key in enumerate(keys)
+            if not in_host[i]
+        }
+        slots: list[int] = []
+        promoted = []
+        try:
+            for i, key in enumerate(keys):
+                with self._lock:
+                    slot = self.host.get(key, now)
+                    if slot is not None:
+                        self.host.lease(slot)
+                        self.host.touch(key, now, cls)
+                        self.metrics.tier("host").hits += 1
+                        self.metrics.tier("host").bytes_read += self.slot_bytes
+                if slot is not None:
+                    for tier in self.files:  # the hit extends the files' expiry too
+                        tier.touch(key, now, cls)
+                    slots.append(slot)
+                    continue
+                payload = reads[i].result() if i in reads else self._read_files(key, now, cls)
+                if payload is None or len(payload) != self.slot_bytes:
+                    break
+                with self._lock:
+                    slot = self.host.reserve(now)
+                    if slot is None:
+                        self.metrics.saves_refused += 1
+                        break
+                self.host.data[slot].numpy()[:] = memoryview(payload).cast("B")
+                with self._lock:
+                    if not self.host.commit(key, slot, now, cls):  # someone promoted it meanwhile
+                        self.host.release(slot)
+                        slot = self.host.get(key, now)
+                        if slot is None:
+                            break
+                        self.host.lease(slot)
+                    else:
+                        promoted.append((key, slot))
+                slots.append(slot)
+        finally:
+            for future in reads.values():
+                future.cancel()
+        with self._lock:
+            self.metrics.observe_load(time.perf_counter() - start)
+        for key, slot in promoted:  # write behind to the tiers that lack it (touches the others)
+            self._queue_write(key, slot, cls)
+        return slots
+
+    def _read_files(self, key: bytes, now: float, cls: str) -> memoryview | None:
+        """The verified payload from the fastest file tier holding ``key`` (its expiry extended)."""
+        for tier in self.files:
+            payload = tier.read(key, now)
+            if payload is not None:
+                tier.touch(key, now, cls)
+                return payload
+        return None
+
+    def _release(self, slots: list[int]) -> None:
+        with self._lock:
+            for slot in slots:
+                self.host.release(slot)
+
+    def slot(self, slot: int) -> torch.Tensor:
+        """The ``[slot_bytes]`` uint8 host buffer of a slot (read after a load, written before commit)."""
+        return self.host.data[slot]
+
+    # ------------------------------------------------------------------ save
+    def has(self, key: bytes) -> bool:
+        """True when the host tier holds ``key`` (a save of it would only touch)."""
+        with self._lock:
+            return self.host.get(key, self.clock()) is not None
+
+    def reserve(self) -> int | None:
+        """A leased host slot to copy a block into, then ``commit`` (or ``abandon``); None when every
+        slot is leased (the save is dropped and counted)."""
+        with self._lock:
+            slot = self.host.reserve(self.clock())
+            if slot is None:
+                self.metrics.saves_refused += 1
+            return slot
+
+    def abandon(self, slot: int) -> None:
+        with self._lock:
+            self.host.release(slot)
+
+    def save_existing(self, key: bytes, cls: str) -> bool:
+        """A save of a block the host tier already holds: touch it for ``cls``. False if absent."""
+        now = self.clock()
+        with self._lock:
+            if self.host.get(key, now) is None:
+                return False
+            self.host.touch(key, now, cls)
+            if self.files:
+                self._pending += 1
+                self._writes.put((key, None, cls))  # the writer extends the files' expiry
+            return True
+
+    def commit(self, key: bytes, slot: int, cls: str) -> None:
+        """Publish a filled slot as ``key`` (ends the reservation's lease) and write it behind to the
+        file tiers."""
+        now = self.clock()
+        with self._lock:
+            if not self.host.commit(key, slot, now, cls):
+                self.host.release(slot)
+                self.host.touch(key, now, cls)
+                return
+        self._queue_write(key, slot, cls)
+        self._release([slot])
+
+    def _queue_write(self, key: bytes, slot: int, cls: str) -> None:
+        """Write-behind of a committed slot, which the writer leases until it is written."""
+        if not self.files:
+            return
+        with self._lock:
+            self.host.lease(slot)
+            self._pending += 1
+        self._writes.put((key, slot, cls))
+
+    def _write_loop(self) -> None:
+        while True:
+            item = self._writes.get()
+            if item is None:
+                return
+            batch = [item]
+            while True:
+                try:
+                    more = self._writes.get_nowait()
+                except queue.Empty:
+                    break
+                if more is None:
+                    self._writes.put(None)
+                    break
+                batch.append(more)
+            try:
+                now = self.clock()
+                for key, slot, cls in batch:
+                    if slot is None:
+                        for tier in self.files:
+                            tier.touch(key, now, cls)
+                items = [(k, self.host.data[s].numpy().tobytes(), c) for k, s, c in batch if s is not None]
+                for tier in self.files:
+                    tier.write_batch(items, now)
+            finally:
+                with self._lock:
+                    for _, slot, _ in batch:
+                        if slot is not None:
+                            self.host.release(slot)
+                    self._pending -= len(batch)
+                    self._idle.notify_all()
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every queued write is durable; False on timeout."""
+        with self._idle:
+            return self._idle.wait_for(lambda: self._pending == 0, timeout)
+
+    # ------------------------------------------------------------------ holds (leases with expiry)
+    def hold(self, keys: Sequence[bytes], seconds: float) -> int:
+        """Keep ``keys``' host entries (those present) and files from eviction for ``seconds`` or
+        until ``unhold``; returns the hold id. Expired holds are dropped by ``collect``."""
+        now = self.clock()
+        with self._lock:
+            slots = []
+            for key in keys:
+                slot = self.host.get(key, now)
+                if slot is not None:
+                    self.host.lease(slot)
+                    slots.append(slot)
+            hold_id = next(self._hold_ids)
+            self._holds[hold_id] = (list(keys), slots, now + seconds)
+            self._sync_held()
+            return hold_id
+
+    def unhold(self, hold_id: int) -> None:
+        with self._lock:
+            entry = self._holds.pop(hold_id, None)
+            if entry is not None:
+                for slot in entry[1]:
+                    self.host.release(slot)
+                self._sync_held()
+
+    def _sync_held(self) -> None:
+        held = {k for keys, _, _ in self._holds.values() for k in keys}
+        for tier in self.files:
+            tier.held = held
+
+    # ------------------------------------------------------------------ upkeep
+    def collect(self) -> int:
+        """Drop expired holds and collect expired entries in every tier; returns entries removed."""
+        now = self.clock()
+        with self._lock:
+            for hold_id in [h for h, (_, _, until) in self._holds.items() if until <= now]:
+                self.unhold(hold_id)
+            removed = self.host.collect(now)
+        for tier in self.files:
+            if tier.shared:
+                tier.rescan()
+            removed += tier.collect(now)
+        self._record_stats()
+        return removed
+
+    COLLECT_INTERVAL_S = 60.0
+
+    def maybe_collect(self) -> None:
+        """Every ``COLLECT_INTERVAL_S``: collect expired entries on the loader thread (never here)."""
+        now = self.clock()
+        if now - self._last_collect >= self.COLLECT_INTERVAL_S:
+            self._last_collect = now
+            self._loader.submit(self.collect)
+
+    def _record_stats(self) -> None:
+        """Write this process's counters into each file tier's ``stats/`` (for ``deepinfer kvstore stats``)."""
+        data = json.dumps(self.snapshot()).encode()
+        name = f"{socket.gethostname()}-{os.getpid()}.json"
+        for tier in self.files:
+            folder = tier.dir / "stats"
+            folder.mkdir(exist_ok=True)
+            tmp = folder / f".tmp.{name}"
+            tmp.write_bytes(data)
+            os.replace(tmp, folder / name)
+
+    def snapshot(self) -> dict:
+        with self._lock:
+            return self.metrics.snapshot()
+
+    def close(self) -> None:
+        """Finish queued writes and stop the threads."""
+        if self._closed:
+            return
+        self._closed = True
+        self._writes.put(None)
+        self._writer.join()
+        self._loader.shutdown(wait=True)
+        self._readers.shutdown(wait=True)
+        self._record_stats()

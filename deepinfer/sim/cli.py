@@ -1,0 +1,111 @@
+"""``deepinfer plan``: the capacity and cost planner and the published scenarios.
+
+``deepinfer plan --workload W.yaml --slo ttft_p99=2s,tpot_p99=50ms --chip gb200`` searches deployments;
+``deepinfer plan --scenario deepseek-2026 [--json]`` recomputes the published arithmetic. ``plan`` is a
+command group: further planners (``deepinfer plan memory``) register in :data:`PLAN_SUBCOMMANDS`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+# name -> (help, add_arguments(parser), run(args) -> exit code). `deepinfer plan memory` goes here.
+PLAN_SUBCOMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Callable[..., int]]] = {}
+
+
+def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
+    what = parser.add_mutually_exclusive_group()
+    what.add_argument("--workload", help="workload spec (YAML): traffic classes, lengths, sessions, TTLs")
+    what.add_argument("--scenario", help="a published scenario to recompute: deepseek-2026")
+    parser.add_argument("--slo", help="targets, e.g. ttft_p99=2s,tpot_p99=50ms (with --workload)")
+    parser.add_argument("--chip", default="gb200", help="gb200 | b200 | h200 | ascend950pr | ascend950dt")
+    parser.add_argument(
+        "--usd-per-chip-hour", type=float, help="rental price (needed where none is published)"
+    )
+    parser.add_argument("--usd-per-tb-day", type=float, help="KV storage price (default: storage not priced)")
+    parser.add_argument(
+        "--max-simulations", type=int, help="deployments simulated with the scheduler (default 6)"
+    )
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--plot", default="plan.png", help="where to save the figure (with --workload)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    if PLAN_SUBCOMMANDS:
+        sub = parser.add_subparsers(dest="plan_command")
+        for name, (text, add_arguments, _) in PLAN_SUBCOMMANDS.items():
+            add_arguments(sub.add_parser(name, help=text))
+
+
+def plan(args: argparse.Namespace) -> int:
+    command = getattr(args, "plan_command", None)
+    if command is not None:
+        return PLAN_SUBCOMMANDS[command][2](args)
+    if args.scenario:
+        from deepinfer.sim.scenario import format_scenario, run_scenario
+
+        result = run_scenario(args.scenario)
+        print(json.dumps(result) if args.json else format_scenario(result))
+        return 0
+    if not args.workload or not args.slo:
+        raise SystemExit("deepinfer plan: give --workload W.yaml --slo ... (or --scenario NAME)")
+    from deepinfer.sim.planner import (
+        NoDeploymentMeetsSLO,
+        Planner,
+        PlanOptions,
+        decode_pareto,
+        parse_slo,
+        plot,
+    )
+    from deepinfer.sim.workload import WorkloadSpec
+
+    try:
+        spec = WorkloadSpec.load(args.workload)
+        options = {
+            "seed": args.seed,
+            "usd_per_chip_hour": args.usd_per_chip_hour,
+            "usd_per_tb_day": args.usd_per_tb_day,
+        }
+        if args.max_simulations is not None:
+            options["max_simulations"] = args.max_simulations
+        planner = Planner(spec, args.chip, parse_slo(args.slo), PlanOptions(**options))
+        report = planner.plan()
+    except (ValueError, KeyError) as exc:
+        raise SystemExit(f"deepinfer plan: {exc.args[0] if exc.args else exc}") from None
+    except NoDeploymentMeetsSLO as exc:
+        if args.json:
+            print(json.dumps({"error": str(exc), "closest": exc.closest}))
+        raise SystemExit(f"deepinfer plan: {exc}") from None
+    context = int(report["simulation"]["prompt_tokens"] / max(1, report["simulation"]["requests_finished"]))
+    plot(report, Path(args.plot), decode_pareto(planner, context))
+    report["plot"] = args.plot
+    print(json.dumps(report) if args.json else format_plan(report))
+    return 0
+
+
+def format_plan(r: dict) -> str:
+    def money(v):
+        return "not priced (pass --usd-per-tb-day)" if v is None else f"US${v:.4f}"
+
+    lines = [
+        f"cheapest deployment meeting the SLO: {r['deployment']['description']}",
+        f"  chips {r['deployment']['chips']} at US${r['usd_per_chip_hour']:.3f}/chip-hour: US${r['usd_per_day']:,.0f}/day",
+        "  SLO: " + ", ".join(f"{k} {r['slo_measured'][k] * 1e3:.0f} ms (target {v * 1e3:.0f} ms)" for k, v in r["slo"].items()),
+        f"  output tokens/day {r['output_tokens_per_day'] / 1e9:.2f} B; input {r['input_tokens_per_day'] / 1e9:.2f} B, "
+        f"of which cached {r['cached_input_tokens_per_day'] / 1e9:.2f} B",
+        f"  cost per M tokens: output US${r['usd_per_m_output']:.4f}, uncached input {money(r['usd_per_m_input_uncached'])}, "
+        f"cached input {money(r['usd_per_m_input_cached'])}",
+        "  cache hit rate by tier: " + ", ".join(f"{k} {v:.1%}" for k, v in r["cache_hit_rate"].items()),
+        f"  simulated at the peak hour ({r['peak_hour_utc']:02d} UTC, {r['peak_requests_per_s']:.0f} req/s): "
+        f"{r['simulation']['output_tokens_per_s_per_chip']:.0f} tok/s/chip, {r['simulation']['tokens_per_s_per_user']:.0f} "
+        f"tok/s/user, balance {r['simulation']['balance']}",
+        "  evaluated:",
+    ]  # fmt: skip
+    for e in r["evaluated"]:
+        verdict = (
+            "meets" if e["meets"] else "misses " + ", ".join(f"{k} x{v:.2f}" for k, v in e["misses"].items())
+        )
+        lines.append(f"    US${e['usd_per_day']:>10,.0f}/day  {e['deployment']}: {verdict}")
+    lines.append(f"  figure: {r['plot']}   ({r['elapsed_s']:.0f} s)")
+    return "\n".join(lines)

@@ -1,0 +1,302 @@
+"""The discrete-event cluster simulation (SimPy): arrivals, routers, workers running the engine's own
+scheduler, the KV tiers, and prefill-to-decode handoff.
+
+A *pool* is a set of workers of one role (``prefill``, ``decode`` or ``both``). A worker is one
+expert-parallel group stepping in lockstep; each of its simulated *ranks* (data-parallel attention
+ranks) owns a real :class:`~deepinfer.engine.scheduler.Scheduler` with a real
+:class:`~deepinfer.engine.kv_cache_manager.KVCacheManager` (the device cache tier, prefix caching
+included) and cuts prompt chunks with the engine's time budget. Only the forward pass is replaced:
+a step lasts what the pool's :class:`~deepinfer.sim.costs.ForwardCost` says, then each sampling
+request receives its next (predetermined) output token and the scheduler applies it as the engine
+does.
+
+A request enters the first pool (``prefill`` if there is one, else ``both``) through that pool's
+router; its prompt's leading blocks found in the rank's device cache count as device hits, the next
+ones held by a lower tier (host, store) are loaded (taking the tier's read time) into free device
+blocks, and the rest is computed. A prefill worker computes the prompt and samples the first token;
+the KV then moves to a decode rank picked by the decode router (``kv_transfer_bytes_per_s``),
+lands there as cached blocks, and the decode rank generates the rest. Finished requests write their
+KV through to the lower tiers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Literal
+
+import simpy
+
+from deepinfer.engine.kv_cache_manager import KVCacheManager, hash_block
+from deepinfer.engine.request import Request
+from deepinfer.engine.scheduler import Scheduler, SchedulerConfig
+from deepinfer.sampling_params import SamplingParams
+from deepinfer.sim.costs import ForwardCost
+from deepinfer.sim.policies import ActiveLoadRouter, PredictedTimeRouter, RankLoad, Router
+from deepinfer.sim.tiers import TieredStore
+from deepinfer.sim.workload import Arrival
+
+Role = Literal["prefill", "decode", "both"]
+_PARAMS = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=None)  # shared, read-only
+
+
+@dataclass(frozen=True, slots=True)
+class EngineKnobs:
+    """The engine settings of every rank in a pool (EngineConfig's scheduling fields)."""
+
+    num_blocks: int
+    block_size: int = 64
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    long_prefill_token_threshold: int | None = None
+    step_time_budget_s: float | None = None
+    max_model_len: int = 131072
+    enable_prefix_caching: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class PoolConfig:
+    role: Role
+    workers: int  # simulated EP groups
+    ranks_per_worker: int  # simulated DP ranks of each group
+    cost: ForwardCost
+    knobs: EngineKnobs
+
+    def __post_init__(self) -> None:
+        if self.workers < 1 or self.ranks_per_worker < 1:
+            raise ValueError(f"a {self.role} pool needs workers >= 1 and ranks_per_worker >= 1")
+
+
+@dataclass(slots=True)
+class ClusterConfig:
+    pools: list[PoolConfig]
+    store: TieredStore | None = None
+    kv_transfer_bytes_per_s: float = 50e9
+    kv_bytes_per_token: float = 70272.0
+    admission_delay_s: float = 0.0  # arrival -> scheduler: the API front (HTTP, validation, hand-off)
+    prefill_router: Router = field(default_factory=PredictedTimeRouter)
+    decode_router: Router = field(default_factory=ActiveLoadRouter)
+
+    def __post_init__(self) -> None:
+        roles = sorted(p.role for p in self.pools)
+        if roles not in (["both"], ["decode", "prefill"]):
+            raise ValueError(
+                f"pools must be one 'both' pool, or one 'prefill' and one 'decode' pool; got {roles}"
+            )
+
+
+@dataclass(slots=True)
+class RequestTrace:
+    """What one request saw: times are simulated seconds."""
+
+    arrival: Arrival
+    first_token_s: float | None = None
+    token_times: list[float] = field(default_factory=list)
+    finished_s: float | None = None
+    hit_tokens: dict[str, int] = field(default_factory=dict)  # tier -> prompt tokens not recomputed
+
+
+class _Rank:
+    def __init__(self, index: int, knobs: EngineKnobs, cost: ForwardCost) -> None:
+        self.index = index
+        self.kv = KVCacheManager(knobs.num_blocks, knobs.block_size, knobs.enable_prefix_caching)
+        budget = knobs.max_num_batched_tokens
+        self.cost_model = cost.scheduler_model() if knobs.step_time_budget_s is not None else None
+        self._predictor = self.cost_model or cost.scheduler_model()
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                max_num_seqs=knobs.max_num_seqs,
+                max_num_batched_tokens=budget,
+                max_model_len=knobs.max_model_len,
+                long_prefill_token_threshold=knobs.long_prefill_token_threshold or budget,
+                step_time_budget_s=knobs.step_time_budget_s,
+            ),
+            self.kv,
+            self.cost_model,
+        )
+        self.tokens_done = 0
+
+    def load(self) -> RankLoad:
+        s = self.scheduler
+        prompt_work = [
+            (r.num_tokens - r.num_computed_tokens, r.num_computed_tokens)
+            for r in (*s.waiting, *s.running)
+            if r.num_tokens - r.num_computed_tokens > 1
+        ]
+        queue_s = sum(self._predictor.marginal(n, c) for n, c in prompt_work)
+        kv_tokens = sum(r.num_tokens for r in s.running)
+        return RankLoad(self.index, queue_s, len(s.running) + len(s.waiting), kv_tokens)
+
+
+class _Worker:
+    def __init__(self, env: simpy.Environment, pool: PoolConfig, first_rank: int, sim: Simulation) -> None:
+        self.env, self.pool, self.sim = env, pool, sim
+        self.ranks = [_Rank(first_rank + i, pool.knobs, pool.cost) for i in range(pool.ranks_per_worker)]
+        self.wake: simpy.Event | None = None
+        self.steps = 0
+        self.busy_s = 0.0
+        self.balance_sum = 0.0
+        env.process(self.run())
+
+    def notify(self) -> None:
+        if self.wake is not None and not self.wake.triggered:
+            self.wake.succeed()
+
+    def run(self):
+        while True:
+            outputs = [rank.scheduler.schedule() for rank in self.ranks]
+            if all(o.is_empty for o in outputs):
+                self.wake = self.env.event()
+                yield self.wake
+                self.wake = None
+                continue
+            work = [[(r.num_new_tokens, r.num_computed_tokens) for r in o.requests] for o in outputs]
+            seconds = self.pool.cost.step_seconds(work)
+            yield self.env.timeout(seconds)
+            self.steps += 1
+            self.busy_s += seconds
+            tokens = [sum(n for n, _ in w) for w in work]
+            self.balance_sum += (sum(tokens) / len(tokens)) / max(tokens)
+            for rank, output in zip(self.ranks, outputs):
+                rank.scheduler.observe_step_time(output, seconds)
+                self.sim.apply(self, rank, output)
+
+
+class Simulation:
+    """One run: build with a config, feed arrivals with :meth:`run`, read the traces."""
+
+    def __init__(self, config: ClusterConfig) -> None:
+        self.config = config
+        self.env = simpy.Environment()
+        self.traces: dict[str, RequestTrace] = {}
+        self._requests: dict[str, tuple[Arrival, list[int]]] = {}  # id -> arrival, output token ids
+        self._offsets: dict[str, int] = {}  # id -> output tokens emitted by an earlier worker
+        self.pools: dict[str, list[_Worker]] = {}
+        first = 0
+        for pool in config.pools:
+            workers = []
+            for _ in range(pool.workers):
+                workers.append(_Worker(self.env, pool, first, self))
+                first += pool.ranks_per_worker
+            self.pools[pool.role] = workers
+        self.entry_role: Role = "prefill" if "prefill" in self.pools else "both"
+        self.occupancy: list[tuple[float, dict[str, float]]] = []
+
+    def ranks(self, role: str) -> list[tuple[_Worker, _Rank]]:
+        return [(w, r) for w in self.pools[role] for r in w.ranks]
+
+    # ------------------------------------------------------------------ driving
+    def run(self, arrivals: Iterable[Arrival], until: float, sample_every_s: float = 60.0) -> None:
+        self.env.process(self._arrive(iter(arrivals), until))
+        if self.config.store is not None:
+            self.env.process(self._sample_occupancy(sample_every_s))
+        self.env.run(until=until)
+
+    def _arrive(self, arrivals, until: float):
+        for arrival in arrivals:
+            if arrival.time >= until:
+                return
+            yield self.env.timeout(max(0.0, arrival.time - self.env.now))
+            self.env.process(self._admit(arrival))
+
+    def _sample_occupancy(self, every_s: float):
+        while True:
+            self.occupancy.append((self.env.now, self.config.store.occupancy(self.env.now)))
+            yield self.env.timeout(every_s)
+
+    def _admit(self, arrival: Arrival):
+        trace = RequestTrace(arrival)
+        self.traces[arrival.request_id] = trace
+        if self.config.admission_delay_s > 0:
+            yield self.env.timeout(self.config.admission_delay_s)
+        prompt = arrival.token_ids()
+        outputs = arrival.output_token_ids()
+        self._requests[arrival.request_id] = (arrival, outputs)
+        role = self.entry_role
+        router = self.config.prefill_router
+        candidates = self.ranks(role)
+        pick = router.pick(len(prompt), [r.load() for _, r in candidates])
+        worker, rank = next((w, r) for w, r in candidates if r.index == pick)
+        max_tokens = 1 if role == "prefill" else arrival.output_tokens
+        request = Request(arrival.request_id, prompt, _PARAMS, 0, max_tokens, frozenset(), self.env.now)
+        device = len(rank.kv.find_cached_prefix(request)) * rank.kv.block_size
+        trace.hit_tokens["device"] = device
+        store = self.config.store
+        if store is not None:
+            hit = store.lookup(arrival, device, self.env.now)
+            trace.hit_tokens.update(hit.tokens)
+            if hit.load_s > 0:
+                yield self.env.timeout(hit.load_s)
+            _land(rank.kv, request, device + sum(hit.tokens.values()))
+        rank.scheduler.add_request(request)
+        worker.notify()
+
+    def apply(self, worker: _Worker, rank: _Rank, output) -> None:
+        """A step's results on one rank: the next output token of every sampling request."""
+        sampled = {}
+        for scheduled in output.requests:
+            rank.tokens_done += scheduled.num_new_tokens
+            if scheduled.samples:
+                request = rank.scheduler.requests[scheduled.request_id]
+                _, outputs = self._requests[scheduled.request_id]
+                index = self._offsets.get(scheduled.request_id, 0) + request.num_output_tokens
+                sampled[scheduled.request_id] = [outputs[index]]
+        now = self.env.now
+        for request in rank.scheduler.update_from_output(output, sampled):
+            trace = self.traces[request.request_id]
+            trace.token_times.append(now)
+            if trace.first_token_s is None:
+                trace.first_token_s = now
+            if request.status.finished:
+                self._finished(worker, request, trace)
+
+    def _finished(self, worker: _Worker, request: Request, trace: RequestTrace) -> None:
+        arrival, _ = self._requests[request.request_id]
+        if worker.pool.role == "prefill" and arrival.output_tokens > 1:
+            self.env.process(self._handoff(arrival, request))
+            return
+        trace.finished_s = self.env.now
+        del self._requests[request.request_id]
+        self._offsets.pop(request.request_id, None)
+        if self.config.store is not None:
+            self.config.store.write(arrival, self.env.now)
+
+    def _handoff(self, arrival: Arrival, prefilled: Request):
+        """Prefill done: move the prompt's KV to a decode rank and continue there."""
+        nbytes = prefilled.num_computed_tokens * self.config.kv_bytes_per_token
+        yield self.env.timeout(nbytes / self.config.kv_transfer_bytes_per_s)
+        candidates = self.ranks("decode")
+        tokens = list(prefilled.all_token_ids)
+        pick = self.config.decode_router.pick(len(tokens), [r.load() for _, r in candidates])
+        worker, rank = next((w, r) for w, r in candidates if r.index == pick)
+        request = Request(
+            arrival.request_id, tokens, _PARAMS, 0, arrival.output_tokens - 1, frozenset(), self.env.now
+        )
+        self._offsets[arrival.request_id] = 1  # the prefill worker sampled the first output token
+        _land(rank.kv, request, prefilled.num_computed_tokens)
+        rank.scheduler.add_request(request)
+        worker.notify()
+
+
+def _land(kv: KVCacheManager, request: Request, num_tokens: int) -> None:
+    """Put the request's first ``num_tokens`` tokens' KV into the device cache as cached (free,
+    hashed) blocks, as a KV connector's load would, so the scheduler's prefix lookup finds them.
+    Blocks already cached are kept; when the pool has no free block left the rest is recomputed."""
+    if not kv.pool.enable_prefix_caching:
+        return
+    bs = kv.block_size
+    tokens = request.all_token_ids
+    parent = None
+    held = []  # referenced while landing, so that allocating one block cannot evict another
+    for i in range(min(num_tokens, len(tokens) - 1) // bs):
+        parent = hash_block(parent, tokens[i * bs : (i + 1) * bs])
+        block = kv.pool.lookup(parent)
+        if block is not None:
+            kv.pool.take([block])
+        elif kv.pool.num_free_blocks == 0:
+            break
+        else:
+            block = kv.pool.allocate(1)[0]
+            kv.pool.register(block, parent)
+        held.append(block)
+    kv.pool.release(list(reversed(held)))

@@ -1,0 +1,334 @@
+"""The fast CPU backend (deepinfer.backends.cpu): conformance, row-wise parity in fp32 and bf16,
+mutations the suite must catch, platform selection, and greedy agreement end to end.
+
+Row-wise comparison: the conformance suite compares one relative Frobenius norm over a whole output,
+which lets one wrong row in a thousand pass at the bf16 tolerance (``test_one_wrong_row_in_a_thousand``
+shows it). The checks here take the largest relative error of any row instead.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import subprocess
+import sys
+import xml.etree.ElementTree as ET
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from deepinfer.backends.cpu import attention as fast_attention
+from deepinfer.backends.cpu import moe as fast_moe
+from deepinfer.backends.cpu import norm as fast_norm
+from deepinfer.backends.cpu.backend import OPS as FAST
+from deepinfer.backends.registry import OpTable, interface_ops, load_backend
+from deepinfer.backends.testing import checks
+from deepinfer.backends.testing.harness import SMALL_MLA, SMALL_MOE, V3_MLA, MLAShape, assert_close
+from tests.conftest import REPO_ROOT
+
+REF = load_backend("deepinfer.backends.reference")
+FAST.finalize()
+CPU = torch.device("cpu")
+ROW_TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
+
+
+def max_row_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """Largest ``||out_row - ref_row|| / ||ref_row||`` over the rows (all dims but the last)."""
+    out = out.detach().float().reshape(-1, out.shape[-1])
+    ref = ref.detach().float().reshape(-1, ref.shape[-1])
+    if not bool(torch.isfinite(out).all()):
+        return math.inf
+    norms = ref.norm(dim=-1).clamp_min(1e-30)
+    return float(((out - ref).norm(dim=-1) / norms).max())
+
+
+def assert_rows_close(name: str, out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> None:
+    assert out.shape == ref.shape, f"{name}: shape {tuple(out.shape)} != {tuple(ref.shape)}"
+    err = max_row_error(out, ref)
+    assert err < ROW_TOLERANCE[dtype], f"{name}: worst row relative error {err:.2e} ({dtype})"
+
+
+def test_conformance_suite_passes_for_the_fast_backend(tmp_path: Path) -> None:
+    report = tmp_path / "conformance.xml"
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "--pyargs", "deepinfer.backends.testing",
+         f"--junitxml={report}"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=600,
+        env={**os.environ, "DEEPINFER_CONFORMANCE_BACKEND": "deepinfer.backends.cpu.backend",
+             "DEEPINFER_CONFORMANCE_DTYPES": "float32,bfloat16,float16", "PYTHONPATH": str(REPO_ROOT)},
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    suite = ET.parse(report).getroot().find("testsuite")
+    assert suite is not None
+    assert int(suite.get("tests", "0")) >= 100 and int(suite.get("skipped", "1")) == 0
+    assert int(suite.get("failures", "1")) == 0 and int(suite.get("errors", "1")) == 0
+
+
+# ----------------------------------------------------------------------------- row-wise parity
+
+
+def _paged(shape: MLAShape, dtype: torch.dtype, seq_lens: list[int], gen: torch.Generator):
+    """A paged cache (unowned blocks NaN) written through the fast kv_cache_write, and its rows."""
+    batch = checks.PagedBatch(FAST, CPU, dtype, shape, seq_lens, gen)
+    return batch, checks._contiguous_reference_cache(shape, dtype, seq_lens, batch)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize(
+    "shape,seq_lens,query_lens,window",
+    [
+        (SMALL_MLA, [9, 70, 33, 130], [1, 1, 1, 1], None),
+        (SMALL_MLA, [9, 70, 33, 130], [1, 3, 2, 4], 24),
+        (SMALL_MLA, [3000], [1], None),  # one long request: many KV splits merged by log-sum-exp
+        (SMALL_MLA, [3000, 17], [5, 1], 100),
+        (V3_MLA, [300, 40], [2, 1], None),
+    ],
+    ids=["decode", "verify-window", "long", "long-window", "v3"],
+)
+def test_mla_decode_rows(dtype, shape, seq_lens, query_lens, window) -> None:
+    gen = torch.Generator().manual_seed(sum(seq_lens) + len(query_lens))
+    batch, (ref_cache, ref_table) = _paged(shape, dtype, seq_lens, gen)
+    tokens = sum(query_lens)
+    q_nope = torch.randn(tokens, shape.heads, shape.kv_lora_rank, generator=gen) * 0.3
+    q_pe = torch.randn(tokens, shape.heads, shape.rope, generator=gen) * 0.3
+    qsl = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32)
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
+    scale = (shape.nope + shape.rope) ** -0.5
+    out = FAST.mla_decode(q_nope.to(dtype), q_pe.to(dtype), batch.cache, batch.block_table, lens, qsl,
+                          max(query_lens), scale, window)  # fmt: skip
+    ref = REF.mla_decode(q_nope.to(dtype).float(), q_pe.to(dtype).float(), ref_cache, ref_table, lens, qsl,
+                         max(query_lens), scale, window)  # fmt: skip
+    assert out.dtype == dtype
+    assert_rows_close("mla_decode", out, ref, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_small_ops_rows(dtype) -> None:
+    gen = torch.Generator().manual_seed(7)
+    x, res = torch.randn(300, 192, generator=gen), torch.randn(300, 192, generator=gen)
+    w = 1 + 0.1 * torch.randn(192, generator=gen)
+    r = lambda t: t.to(dtype).float()  # noqa: E731  (what the float32 reference sees)
+    assert_rows_close(
+        "rms_norm", FAST.rms_norm(x.to(dtype), w.to(dtype), 1e-6), REF.rms_norm(r(x), r(w), 1e-6), dtype
+    )
+    normed, summed = FAST.add_rms_norm(x.to(dtype), res.to(dtype), w.to(dtype), 1e-6)
+    ref_normed, ref_summed = REF.add_rms_norm(r(x), r(res), r(w), 1e-6)
+    assert_rows_close("add_rms_norm.sum", summed, ref_summed, dtype)
+    assert_rows_close("add_rms_norm.norm", normed, ref_normed, dtype)
+    gate_up = torch.randn(300, 128, generator=gen)
+    assert_rows_close(
+        "silu_and_mul", FAST.silu_and_mul(gate_up.to(dtype)), REF.silu_and_mul(r(gate_up)), dtype
+    )
+    # rope on a strided view, as the model passes the rope part of q
+    q = torch.randn(50, 4, 48, generator=gen)[..., 32:]
+    k = torch.randn(50, 16, generator=gen)
+    positions = torch.randint(0, 4096, (50,), generator=gen)
+    table = checks.cos_sin_table(16, 4096)
+    for interleaved in (True, False):
+        q_out, k_out = FAST.rope(q.to(dtype), k.to(dtype), positions, table, interleaved)
+        q_ref, k_ref = REF.rope(r(q), r(k), positions, table, interleaved)
+        assert_rows_close("rope.q", q_out, q_ref, dtype)
+        assert_rows_close("rope.k", k_out, k_ref, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("hidden", [192, 7], ids=["aligned", "odd-width"])
+def test_moe_rows(dtype, hidden) -> None:
+    gen = torch.Generator().manual_seed(hidden)
+    experts, inter, tokens, top_k = 16, 24, 40, 4
+    x = torch.randn(tokens, hidden, generator=gen)
+    w13 = torch.randn(experts, 2 * inter, hidden, generator=gen) * hidden**-0.5
+    w2 = torch.randn(experts, hidden, inter, generator=gen) * inter**-0.5
+    weights, ids = checks.random_routing(gen, tokens, experts, top_k)
+    ids[:3, 0] = -1  # pairs owned by another rank contribute nothing
+    r = lambda t: t.to(dtype).float()  # noqa: E731
+    out = FAST.fused_moe(x.to(dtype), w13.to(dtype), w2.to(dtype), weights, ids)
+    assert_rows_close("fused_moe", out, REF.fused_moe(r(x), r(w13), r(w2), weights, ids), dtype)
+    sizes = torch.tensor([0, 5, 0, 7] + [2] * 12)
+    xs = torch.randn(int(sizes.sum()), hidden, generator=gen)
+    out = FAST.grouped_gemm(xs.to(dtype), w13.to(dtype), sizes)
+    assert_rows_close("grouped_gemm", out, REF.grouped_gemm(r(xs), r(w13), sizes), dtype)
+    with pytest.raises(ValueError, match="group_sizes sum to"):
+        FAST.grouped_gemm(xs[1:].to(dtype), w13.to(dtype), sizes)
+
+
+def test_kv_cache_write_skips_padding_and_casts() -> None:
+    spec = FAST.kv_cache_spec(8, 4, torch.bfloat16)
+    (cache,) = spec.allocate(2, CPU)
+    cache.fill_(float("nan"))
+    kv_c, k_pe = torch.randn(3, 8), torch.randn(3, 4)
+    FAST.kv_cache_write(kv_c, k_pe, (cache,), torch.tensor([5, -1, 17]))
+    rows = cache.view(-1, 12)
+    assert torch.equal(rows[5], torch.cat((kv_c[0], k_pe[0])).to(torch.bfloat16))
+    assert torch.equal(rows[17], torch.cat((kv_c[2], k_pe[2])).to(torch.bfloat16))
+    assert int(torch.isnan(rows.float()).any(dim=-1).sum()) == 30  # nothing else was written
+    with pytest.raises(RuntimeError, match="out of range"):
+        FAST.kv_cache_write(kv_c, k_pe, (cache,), torch.tensor([5, 6, 32]))
+
+
+def test_one_wrong_row_in_a_thousand_passes_the_norm_check_but_not_the_row_check() -> None:
+    """Why the suite should compare row by row (the change proposed for backends/testing)."""
+    x, w = torch.randn(1000, 64), torch.ones(64)
+    ref = REF.rms_norm(x, w, 1e-6)
+    out = FAST.rms_norm(x.to(torch.bfloat16), w.to(torch.bfloat16), 1e-6)
+    out[417] *= 1.5
+    assert_close("rms_norm", out, ref, torch.bfloat16)  # the whole-tensor norm lets it through
+    assert max_row_error(out, ref) > 0.4
+
+
+# ----------------------------------------------------------------------------- mutations
+
+
+def fast_with(fn: Callable) -> OpTable:
+    """The fast backend with one op replaced by ``fn`` (named like the op it replaces)."""
+    table = OpTable(f"broken-fast-{fn.__name__}")
+    table.implement(fn)
+    for name in sorted(set(interface_ops()) - {fn.__name__}):
+        table.implement(FAST.implementation(name))
+    return table.finalize()
+
+
+def test_the_fast_ops_pass_the_checks_unbroken() -> None:
+    checks.check_mla_decode(FAST, CPU, torch.float32, V3_MLA, [1, 2, 1], 24, "ok")
+    checks.check_fused_moe(FAST, CPU, torch.float32, SMALL_MOE, True, "ok")
+    checks.check_rope(FAST, CPU, torch.bfloat16, SMALL_MLA, True, "ok")
+
+
+def test_mis_scaled_fast_decode_fails() -> None:
+    def mla_decode(q_nope, q_pe, kv_cache, block_table, seq_lens, query_start_loc, max_query_len, scale,
+                   sliding_window=None):  # fmt: skip
+        return fast_attention.mla_decode(q_nope, q_pe, kv_cache, block_table, seq_lens, query_start_loc,
+                                         max_query_len, scale * 1.05, sliding_window)  # fmt: skip
+
+    with pytest.raises(AssertionError, match=r"mla_decode.*relative error"):
+        checks.check_mla_decode(fast_with(mla_decode), CPU, torch.float32, V3_MLA, [1, 2, 1], None, "scaled")
+
+
+def test_fast_decode_with_a_shifted_block_table_entry_fails() -> None:
+    with pytest.raises(AssertionError, match="mla_decode"):
+        checks.check_mla_decode(FAST, CPU, torch.float32, SMALL_MLA, [1, 1, 1, 1], None, "shift",
+                                corrupt_block_table=True)  # fmt: skip
+
+
+def test_fast_decode_that_ignores_the_window_fails() -> None:
+    def mla_decode(q_nope, q_pe, kv_cache, block_table, seq_lens, query_start_loc, max_query_len, scale,
+                   sliding_window=None):  # fmt: skip
+        return fast_attention.mla_decode(q_nope, q_pe, kv_cache, block_table, seq_lens, query_start_loc,
+                                         max_query_len, scale, None)  # fmt: skip
+
+    with pytest.raises(AssertionError, match="mla_decode"):
+        checks.check_mla_decode(fast_with(mla_decode), CPU, torch.float32, SMALL_MLA, [1, 3, 2, 4], 24, "win")
+
+
+def test_fast_rope_with_wrong_pairing_fails() -> None:
+    def rope(q, k, positions, cos_sin_cache, interleaved):
+        return fast_norm.rope(q, k, positions, cos_sin_cache, not interleaved)
+
+    with pytest.raises(AssertionError, match="rope"):
+        checks.check_rope(fast_with(rope), CPU, torch.float32, SMALL_MLA, True, "pairing")
+
+
+def test_fast_moe_that_drops_the_routing_weights_fails() -> None:
+    def fused_moe(hidden, w13, w2, topk_weights, topk_ids):
+        return fast_moe.fused_moe(hidden, w13, w2, torch.ones_like(topk_weights), topk_ids)
+
+    with pytest.raises(AssertionError, match="fused_moe"):
+        checks.check_fused_moe(fast_with(fused_moe), CPU, torch.float32, SMALL_MOE, False, "weights")
+
+
+def test_fast_norm_with_an_unwritten_row_fails() -> None:
+    def rms_norm(x, weight, eps):
+        out = fast_norm.rms_norm(x, weight, eps)
+        out[-1] = float("nan")  # as if the last row were never written
+        return out
+
+    with pytest.raises(AssertionError, match="non-finite"):
+        checks.check_rms_norm(fast_with(rms_norm), CPU, torch.float32, 64, "unwritten")
+
+
+# ----------------------------------------------------------------------------- platform selection
+
+
+def test_platform_selects_the_backend(monkeypatch: pytest.MonkeyPatch) -> None:
+    from deepinfer.platform.cpu import cpu_op_backend
+
+    monkeypatch.setenv("DEEPINFER_CPU_BACKEND", "fast")
+    assert cpu_op_backend() == "deepinfer.backends.cpu.backend"
+    monkeypatch.setenv("DEEPINFER_CPU_BACKEND", "reference")
+    assert cpu_op_backend() == "deepinfer.backends.reference"
+    monkeypatch.setenv("DEEPINFER_CPU_BACKEND", "quick")
+    with pytest.raises(
+        ValueError, match="DEEPINFER_CPU_BACKEND='quick'; choose one of: auto, fast, reference"
+    ):
+        cpu_op_backend()
+
+
+def test_without_a_compiler_auto_warns_and_fast_refuses(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    from deepinfer.platform.cpu import cpu_op_backend
+    from deepinfer.platform.interface import PlatformUnavailableError
+
+    monkeypatch.setenv("DEEPINFER_CACHE_DIR", str(tmp_path))  # no kernels built there
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    monkeypatch.setenv("DEEPINFER_CPU_BACKEND", "auto")
+    with caplog.at_level(logging.WARNING, logger="deepinfer"):
+        assert cpu_op_backend() == "deepinfer.backends.reference"
+    assert "no C++ compiler" in caplog.text and "DEEPINFER_CPU_BACKEND=reference" in caplog.text
+    monkeypatch.setenv("DEEPINFER_CPU_BACKEND", "fast")
+    with pytest.raises(PlatformUnavailableError, match="no C\\+\\+ compiler"):
+        cpu_op_backend()
+
+
+# ----------------------------------------------------------------------------- end to end
+
+PROMPTS = [
+    "def fibonacci(n):",
+    "import os\nclass Config:",
+    "for i in range(10):\n    print(",
+    "def quicksort(arr):\n    if len(arr) <= 1:",
+]
+
+
+def _generate(backend: str, monkeypatch: pytest.MonkeyPatch, **options) -> list[list[int]]:
+    from deepinfer import LLM, SamplingParams
+    from deepinfer.backends.registry import active_ops, set_active_ops
+    from deepinfer.platform.registry import set_current_platform
+
+    monkeypatch.setenv("DEEPINFER_CPU_BACKEND", backend)
+    set_current_platform(None)
+    set_active_ops(None)
+    llm = LLM(**options)
+    assert active_ops().backend.startswith(
+        f"deepinfer.backends.{'cpu' if backend == 'fast' else 'reference'}"
+    )
+    outs = llm.generate(PROMPTS * 2, SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))
+    return [o.outputs[0].token_ids for o in outs]
+
+
+@pytest.mark.parametrize("speculative", [None, "mtp"], ids=["plain", "mtp-verify"])
+def test_greedy_tokens_identical_to_the_reference_in_fp32(
+    monkeypatch: pytest.MonkeyPatch, speculative
+) -> None:
+    options = {"dtype": "float32", "speculative": speculative}
+    assert _generate("fast", monkeypatch, **options) == _generate("reference", monkeypatch, **options)
+
+
+def test_bf16_greedy_tokens_stay_close_to_fp32(monkeypatch: pytest.MonkeyPatch) -> None:
+    """bf16 tolerance: over these 8 prompts x 40 tokens, the fast backend's bf16 greedy output keeps on
+    average at least 60% of the fp32 reference's tokens before its first divergence, and no less than the
+    reference backend's own bf16 run minus 10 points (both round the same weights and cache)."""
+    fp32 = _generate("reference", monkeypatch, dtype="float32")
+
+    def kept(seqs: list[list[int]]) -> float:
+        prefixes = [
+            next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), len(x)) for x, y in zip(seqs, fp32)
+        ]
+        return sum(prefixes) / (len(prefixes) * 40)
+
+    fast = kept(_generate("fast", monkeypatch, dtype="bfloat16"))
+    reference = kept(_generate("reference", monkeypatch, dtype="bfloat16"))
+    assert fast >= 0.6 and fast >= reference - 0.1, (fast, reference)

@@ -1,0 +1,192 @@
+"""The engine core as a supervised process: SIGKILL it under 32 streaming clients of all four APIs
+(every client gets an error in its API's shape within 5 s, the server exits non-zero, no process is
+left), or with ``--restart-engine`` watch the server serve again; SIGTERM drains."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.server.serve_process import Served, alive, serve
+
+NAME = "tiny"
+USER = [{"role": "user", "content": "tell me a long story"}]
+
+
+def body(api: str, max_tokens: int) -> tuple[str, dict]:
+    """A streaming request of ``api`` that generates ``max_tokens`` tokens unless EOS comes first."""
+    if api == "chat":
+        return "/v1/chat/completions", {"model": NAME, "messages": USER, "max_tokens": max_tokens, "stream": True,
+                                        "ignore_eos": True}  # fmt: skip
+    if api == "completions":
+        return "/v1/completions", {"model": NAME, "prompt": "def f(x):", "max_tokens": max_tokens, "stream": True,
+                                   "ignore_eos": True}  # fmt: skip
+    if api == "responses":
+        return "/v1/responses", {
+            "model": NAME,
+            "input": USER,
+            "max_output_tokens": max_tokens,
+            "stream": True,
+        }
+    return "/v1/messages", {"model": NAME, "messages": USER, "max_tokens": max_tokens, "stream": True}
+
+
+APIS = ("chat", "completions", "responses", "messages")
+
+
+@dataclass
+class Stream:
+    api: str
+    started: asyncio.Event = field(default_factory=asyncio.Event)
+    events: list = field(default_factory=list)
+    ended_at: float | None = None
+    status: int | None = None
+
+    @property
+    def errored(self) -> bool:
+        """Ended with an error event in its API's own shape ([DONE] after it where the API uses it)."""
+        last = [e for e in self.events if e != "[DONE]"][-1:] or [None]
+        if self.api in ("chat", "completions"):
+            return isinstance(last[0], dict) and "error" in last[0] and self.events[-1] == "[DONE]"
+        return isinstance(last[0], dict) and last[0].get("type") == "error"
+
+    @property
+    def finished_normally(self) -> bool:
+        kinds = [e.get("type") for e in self.events if isinstance(e, dict)]
+        if self.api in ("chat", "completions"):
+            return self.events[-1:] == ["[DONE]"] and not any(
+                "error" in e for e in self.events if isinstance(e, dict)
+            )
+        final = "message_stop" if self.api == "messages" else ("response.completed", "response.incomplete")
+        return bool(kinds) and kinds[-1] in (final if isinstance(final, tuple) else (final,))
+
+
+async def run_stream(client: httpx.AsyncClient, stream: Stream, max_tokens: int) -> None:
+    import json
+
+    path, request = body(stream.api, max_tokens)
+    try:
+        async with client.stream("POST", path, json=request) as response:
+            stream.status = response.status_code
+            async for line in response.aiter_lines():
+                if line.startswith("data: "):
+                    data = line[6:]
+                    stream.events.append(data if data == "[DONE]" else json.loads(data))
+                    if len(stream.events) >= 3:
+                        stream.started.set()
+    except httpx.HTTPError as exc:
+        stream.events.append(f"transport error: {exc!r}")
+    finally:
+        stream.ended_at = time.monotonic()
+        stream.started.set()
+
+
+async def streams_then(served: Served, per_api: int, max_tokens: int, action) -> tuple[list[Stream], float]:
+    """Start ``per_api`` streams of each API, wait until all are generating, run ``action()``;
+    returns the streams (once ended) and when the action ran."""
+    streams = [Stream(api) for api in APIS for _ in range(per_api)]
+    limits = httpx.Limits(max_connections=len(streams) + 8)
+    async with httpx.AsyncClient(base_url=served.url, timeout=120, limits=limits) as client:
+        tasks = [asyncio.create_task(run_stream(client, s, max_tokens)) for s in streams]
+        await asyncio.wait_for(asyncio.gather(*(s.started.wait() for s in streams)), 90)
+        assert all(s.ended_at is None for s in streams), "a stream ended before the action"
+        acted = time.monotonic()
+        await action()
+        await asyncio.wait_for(asyncio.gather(*tasks), 60)
+    return streams, acted
+
+
+def kill_core(served: Served) -> int:
+    pid = served.core_pid()
+    os.kill(pid, signal.SIGKILL)
+    return pid
+
+
+@pytest.mark.slow
+def test_a_killed_engine_core_fails_every_stream_and_the_server_exits_non_zero(deepseek_model: Path) -> None:
+    with serve(deepseek_model) as served:
+        pids = {}
+
+        async def kill() -> None:
+            pids["core"] = kill_core(served)
+
+        streams, killed = asyncio.run(streams_then(served, 8, 900, kill))
+        late = [(s.api, round(s.ended_at - killed, 2)) for s in streams if s.ended_at - killed > 5]
+        assert not late, f"streams that did not end within 5 s of the kill: {late}"
+        wrong = [(s.api, s.events[-2:]) for s in streams if not s.errored]
+        assert not wrong, f"streams that did not end with an error event: {wrong[:4]}"
+        assert all("engine" in str(s.events[-2 if s.api in ("chat", "completions") else -1]) for s in streams)
+        served.proc.wait(timeout=15)
+        assert served.proc.returncode != 0
+        assert not alive(pids["core"])
+        assert "the engine failed" in served.output and "killed by SIGKILL" in served.output
+
+
+@pytest.mark.slow
+def test_with_restart_engine_the_server_serves_again(deepseek_model: Path) -> None:
+    with serve(deepseek_model, "--restart-engine") as served:
+        seen = {}
+
+        async def kill() -> None:
+            seen["core"] = kill_core(served)
+            start = time.monotonic()
+            while time.monotonic() - start < 2:
+                response = await asyncio.to_thread(served.health)
+                if response.status_code == 503:
+                    seen["503_after_s"] = time.monotonic() - start
+                    return
+                await asyncio.sleep(0.05)
+
+        streams, killed = asyncio.run(streams_then(served, 2, 900, kill))
+        assert "503_after_s" in seen, "/health did not answer 503 within 2 s of the kill"
+        assert all(s.errored and s.ended_at - killed < 5 for s in streams), [s.events[-2:] for s in streams]
+        assert served.wait_healthy(30) < 30
+        assert served.core_pid() != seen["core"] and not alive(seen["core"])
+        reply = httpx.post(
+            f"{served.url}/v1/chat/completions", json={"model": NAME, "messages": USER, "max_tokens": 4}
+        )
+        assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] <= 4
+        assert served.proc.poll() is None
+
+
+@pytest.mark.slow
+def test_sigterm_lets_active_streams_finish_then_exits_zero(deepseek_model: Path) -> None:
+    with serve(deepseek_model, "--drain-timeout", "120") as served:
+        seen = {}
+
+        async def terminate() -> None:
+            served.proc.send_signal(signal.SIGTERM)
+            await asyncio.sleep(0.3)
+            async with httpx.AsyncClient(base_url=served.url) as client:
+                late = await client.post(
+                    "/v1/completions", json={"model": NAME, "prompt": "x", "max_tokens": 2}
+                )
+                seen["late"] = late
+                seen["health"] = await client.get("/health")
+
+        streams, _ = asyncio.run(streams_then(served, 2, 64, terminate))
+        assert seen["late"].status_code == 503 and seen["late"].headers["Retry-After"] == "1"
+        assert seen["health"].status_code == 503
+        unfinished = [(s.api, s.events[-2:]) for s in streams if not s.finished_normally]
+        assert not unfinished, unfinished
+        assert served.proc.wait(timeout=30) == 0, served.output[-2000:]
+
+
+def test_sigterm_past_the_drain_timeout_cuts_streams_with_an_error(deepseek_model: Path) -> None:
+    with serve(deepseek_model, "--drain-timeout", "0.5") as served:
+
+        async def terminate() -> None:
+            served.proc.send_signal(signal.SIGTERM)
+
+        streams, _ = asyncio.run(streams_then(served, 2, 900, terminate))
+        wrong = [(s.api, s.events[-2:]) for s in streams if not s.errored]
+        assert not wrong, wrong
+        assert all("drain timeout" in str(s.events) for s in streams)
+        assert served.proc.wait(timeout=30) == 0, served.output[-2000:]

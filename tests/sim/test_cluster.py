@@ -1,0 +1,105 @@
+"""The SimPy cluster: the engine's own scheduler and KV cache manager, a cost model for the forward
+pass, routers, tiers and prefill-to-decode handoff."""
+
+import pytest
+
+from deepinfer.engine.cost_model import StepCostModel
+from deepinfer.engine.scheduler import Scheduler
+from deepinfer.platform.chips import sku_facts
+from deepinfer.sim.cluster import ClusterConfig, EngineKnobs, PoolConfig, Simulation
+from deepinfer.sim.costs import CalibratedCost, RooflineCost
+from deepinfer.sim.policies import TtlLruRetention
+from deepinfer.sim.report import summarise
+from deepinfer.sim.tiers import Tier, TieredStore
+from deepinfer.sim.workload import Arrival, LengthDist, Segment, TrafficClass, WorkloadSpec, arrivals
+
+CPU = StepCostModel(2e-3, 1e-4, 3e-5, 1e-8, 1e-6, "test")
+
+
+def code(rate: float = 4.0, turns: float = 3.0) -> WorkloadSpec:
+    return WorkloadSpec(
+        classes=[
+            TrafficClass(
+                name="code", rate_per_s=rate, system_prompts=4, system_prompt_tokens=LengthDist(kind="uniform", low=100, high=400),
+                turns_per_session=turns, revisit_gap_s=LengthDist(kind="exponential", mean=5),
+                input_tokens=LengthDist(kind="uniform", low=64, high=512), output_tokens=LengthDist(mean=32),
+            )
+        ]
+    )  # fmt: skip
+
+
+def aggregated(budget_s: float | None = 0.05, blocks: int = 4000) -> Simulation:
+    knobs = EngineKnobs(
+        num_blocks=blocks, block_size=16, max_num_batched_tokens=2048, step_time_budget_s=budget_s
+    )
+    return Simulation(ClusterConfig([PoolConfig("both", 1, 1, CalibratedCost(CPU), knobs)]))
+
+
+def test_every_request_gets_its_tokens_from_the_engines_scheduler() -> None:
+    sim = aggregated()
+    trace = list(arrivals(code(), 40, seed=0))
+    sim.run(trace, until=200)
+    rank = sim.pools["both"][0].ranks[0]
+    assert isinstance(rank.scheduler, Scheduler)
+    assert all(len(t.token_times) == t.arrival.output_tokens for t in sim.traces.values())
+    assert all(t.first_token_s >= t.arrival.time for t in sim.traces.values())
+    assert rank.kv.num_free_blocks == rank.kv.pool.num_blocks  # everything freed
+    result = summarise(sim, 5, 40, 1)
+    assert result["requests_finished"] == result["requests_arrived"] > 50
+    assert 0.3 < result["cache_hit_rate"]["device"] < 0.95  # system prompts and histories hit
+
+
+def test_the_time_budget_cuts_prompt_chunks() -> None:
+    long_prompt = Arrival(0.0, "long", "code", 1.0, (Segment(("p",), 1500),), 4)
+    chunks = {}
+    for budget in (None, 0.01):
+        sim = aggregated(budget)
+        sim.run([long_prompt], until=100)
+        chunks[budget] = sim.pools["both"][0].steps
+    assert chunks[0.01] > chunks[None]  # more, smaller prompt chunks under a 10 ms budget
+
+
+def test_a_small_device_cache_evicts_and_hits_less() -> None:
+    rates = []
+    for blocks in (4000, 200):
+        sim = aggregated(blocks=blocks)
+        sim.run(arrivals(code(), 40, seed=2), until=200)
+        rates.append(summarise(sim, 0, 40, 1)["cache_hit_rate"]["device"])
+    assert rates[1] < rates[0]
+
+
+def test_prefill_decode_handoff_with_tiers_and_ep() -> None:
+    chip = sku_facts("gb200")
+    prefill, decode = RooflineCost(chip, ep=8), RooflineCost(chip, ep=64)
+    store = TieredStore(
+        [Tier("host", TtlLruRetention(1e12), 50e9, False), Tier("store", TtlLruRetention(1e15), 20e9)], 70272
+    )
+    config = ClusterConfig(
+        [
+            PoolConfig("prefill", 1, 2, prefill, EngineKnobs(num_blocks=20000, step_time_budget_s=0.2)),
+            PoolConfig("decode", 1, 2, decode, EngineKnobs(num_blocks=20000, max_num_batched_tokens=512)),
+        ],
+        store=store,
+    )
+    sim = Simulation(config)
+    sim.run(arrivals(code(rate=20), 30, seed=1), until=60)
+    result = summarise(sim, 5, 30, 4)
+    assert result["requests_finished"] == result["requests_arrived"] > 300
+    assert all(len(t.token_times) == t.arrival.output_tokens for t in sim.traces.values() if t.finished_s)
+    hits = result["cache_hit_rate"]
+    assert (
+        hits["device"] > 0 and hits["host"] > 0
+    )  # histories evicted from the prefill device come back from host
+    assert 0 < result["balance"]["decode"] <= 1 and result["occupancy_bytes"]
+    decode_ranks = [r for w in sim.pools["decode"] for r in w.ranks]
+    assert all(r.tokens_done > 0 for r in decode_ranks)  # the decode router spreads the load
+
+
+def test_bad_cluster_configs() -> None:
+    knobs = EngineKnobs(num_blocks=10)
+    with pytest.raises(ValueError, match="one 'prefill' and one 'decode'"):
+        ClusterConfig([PoolConfig("prefill", 1, 1, CalibratedCost(CPU), knobs)])
+    with pytest.raises(ValueError, match="workers >= 1"):
+        PoolConfig("both", 0, 1, CalibratedCost(CPU), knobs)
+    with pytest.raises(ValueError, match="window is empty"):
+        summarise(aggregated(), 10, 5, 1)

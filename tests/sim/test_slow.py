@@ -1,0 +1,34 @@
+"""The long checks: the simulator against a real server here, and a planner run at 1,000 requests/s."""
+
+import time
+from pathlib import Path
+
+import pytest
+
+from deepinfer.sim.planner import Planner, PlanOptions, parse_slo
+from deepinfer.sim.workload import WorkloadSpec
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.slow
+def test_simulator_matches_the_engine_within_15_percent() -> None:
+    from deepinfer.model_zoo import default_model_path
+    from deepinfer.sim.validation import ServerSettings, TraceSpec, run_validation
+
+    common = {"num_requests": 80, "request_rate": 2.0, "output_len": 64}
+    result = run_validation(
+        str(default_model_path()), TraceSpec(seed=1, **common), TraceSpec(seed=2, **common), ServerSettings()
+    )
+    errors = result["validation"]["errors"]
+    assert all(abs(e) < 0.15 for e in errors.values()), errors
+
+
+@pytest.mark.slow
+def test_planner_for_1000_requests_per_second_under_two_minutes() -> None:
+    spec = WorkloadSpec.load(ROOT / "examples" / "workloads" / "chat_agent.yaml")
+    assert spec.rate_per_s == 1000
+    start = time.perf_counter()
+    report = Planner(spec, "gb200", parse_slo("ttft_p99=2s,tpot_p99=50ms"), PlanOptions()).plan()
+    assert time.perf_counter() - start < 120
+    assert report["slo_measured"]["tpot_p99"] <= 0.05
