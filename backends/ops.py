@@ -5,6 +5,13 @@ backend's implementation (``deepinfer.backends.registry.active_ops()``). Backend
 with the same names and parameters (the registry checks the signatures); the reference backend
 (``deepinfer.backends.reference``) is the numerical oracle the conformance suite compares against.
 
+Batch invariance (deterministic mode, ``activate(..., deterministic=True)``): every op's result for
+one row (a token; for attention, a query token of its request) must be bit-for-bit the same whatever
+other rows share the call, how many there are, and where the row sits among them; the attention ops
+must also give a query token the same bits whether its request's other query tokens are computed in
+the same call or not. Each backend declares, per op, how it meets this (``registry.OpTable``), and the
+conformance suite checks it (``deepinfer.backends.testing.invariance``).
+
 Notation: ``T`` tokens in the step (packed, variable-length), ``B`` requests, ``H`` query heads,
 ``L`` = kv_lora_rank (latent width), ``R`` = qk_rope_head_dim, ``Dn`` = qk_nope_head_dim,
 ``Dv`` = v_head_dim, ``E`` experts, ``k`` experts per token, ``V`` vocabulary size.
@@ -39,6 +46,20 @@ class EPDispatch:
     local_expert_ids: Tensor
     weights: Tensor
     handle: Any
+
+
+# ----------------------------------------------------------------------------------------- dense
+
+
+def linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    """Dense projection (every nn.Linear of the model, the router and the LM head).
+
+    x: [T, K] with weight [N, K] (nn.Linear layout) -> ``x @ weight.T (+ bias [N])``: [T, N]; or, one
+    matrix per head, x: [T, H, K] with weight [H, N, K] -> [T, H, N] (``out[:, h] = x[:, h] @
+    weight[h].T``; MLA's absorbed W_UK / W_UV; bias must be None). Accumulates in at least x's
+    precision; returns a new tensor in x's dtype (x and weight share a dtype).
+    """
+    return active_ops().linear(x, weight, bias)
 
 
 # ----------------------------------------------------------------------------------------- small ops

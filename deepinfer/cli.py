@@ -76,6 +76,7 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--stream", action="store_true", help="print text as it is generated")
     parser.add_argument("--json", action="store_true", help="print one JSON object per prompt")
+    parser.add_argument("--deterministic", action="store_true", help="batch-invariant mode (README)")
 
 
 def _read_prompts(args: argparse.Namespace) -> list[str]:
@@ -110,7 +111,16 @@ def run(args: argparse.Namespace) -> int:
 def _run(args: argparse.Namespace) -> int:
     from deepinfer.sampling_params import SamplingParams
 
+<<<<<<< HEAD
+    options = {"dtype": args.dtype, **({"deterministic": True} if args.deterministic else {})}
+    if args.accelerator:
+        options["accelerator"] = args.accelerator
+    llm = LLM(args.model, **options)
+    engine = llm.engine
+    params = SamplingParams(
+=======
     params = SamplingParams(  # checked before the prompts are read and the model loads
+>>>>>>> main
         temperature=args.temperature,
         top_p=args.top_p,
         top_k=args.top_k,

@@ -60,6 +60,11 @@ class EngineConfig(BaseModel):
     confidence_threshold: float | None = Field(
         None, ge=0.0, le=1.0, description="mtp-confidence: verify drafts while predicted acceptance >= this"
     )
+    deterministic: bool | None = Field(
+        None,
+        description="batch-invariant mode: a request's logits, bit for bit, do not depend on its batch mates, "
+        "its prompt's chunking, prefix-cache hits or speculative decoding; None reads DEEPINFER_DETERMINISTIC",
+    )
     cost_model: Literal["calibrate", "chip"] = Field(
         "calibrate",
         description="step cost model: measured on the model at startup (cached) or from chip facts",

@@ -130,6 +130,14 @@ ENV_VARS: dict[str, EnvVar] = {
             "--api-key is not given; unset means no key is needed.",
         ),
         EnvVar(
+            "DEEPINFER_DETERMINISTIC",
+            "0",
+            _bool,
+            "Default of EngineConfig.deterministic (`--deterministic`): batch-invariant mode, in which a "
+            "request's logits and tokens do not depend on what else is in its batch, how its prompt is "
+            "chunked, prefix-cache hits or speculative decoding (README: Deterministic mode).",
+        ),
+        EnvVar(
             "DEEPINFER_SWA_REPLAY",
             "exact",
             str.strip,

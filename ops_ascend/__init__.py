@@ -7,7 +7,8 @@ Modules: ``norm`` (npu_rms_norm, npu_add_rms_norm, npu_swiglu), ``rope`` (npu_ro
 (the two-tensor paged cache, npu_scatter_pa_kv_cache), ``prefill`` / ``decode`` (FIA v2 TND, FIA MLA),
 ``routing`` (npu_moe_gating_top_k), ``experts`` (npu_moe_init_routing_v2, npu_grouped_matmul,
 npu_swiglu, npu_moe_token_unpermute), ``sampling`` (the Ascend C kernel from ``csrc`` or torch),
-``graph`` (updating captured attention lengths), plus shared helpers (``fia``, ``host``, ``native``).
+``graph`` (updating captured attention lengths), ``deterministic`` (per op, what torch_npu's documentation
+says about batch invariance and where deterministic mode routes an op instead), plus shared helpers (``fia``, ``host``, ``native``).
 ``ep_dispatch`` / ``ep_combine`` run the reference's torch.distributed exchange (all_to_all_single, on the
 HCCL group here), and portable ops their reference implementation; activation logs each such op.
 """
@@ -19,6 +20,7 @@ OPS = OpTable("deepinfer.ops_ascend")
 from deepinfer.ops_ascend import (  # noqa: E402  (submodules register into OPS)
     cache,
     decode,
+    deterministic,
     experts,
     norm,
     prefill,
@@ -27,6 +29,11 @@ from deepinfer.ops_ascend import (  # noqa: E402  (submodules register into OPS)
     sampling,
 )
 
+OPS.use_reference_for(
+    ["linear"],
+    reason="dense projections are torch matmuls on the NPU (aclnn); deterministic mode runs the reference's "
+    "one-GEMM-shape formulation",
+)
 OPS.use_reference_for(
     ["ep_dispatch", "ep_combine"],
     reason="expert-parallel exchange is all_to_all_single over the HCCL group (the reference's torch.distributed "
@@ -43,4 +50,15 @@ def _length_updater():
 
 OPS.graph_session = _length_updater
 
-__all__ = ["OPS", "cache", "decode", "experts", "norm", "prefill", "rope", "routing", "sampling"]
+__all__ = [
+    "OPS",
+    "cache",
+    "decode",
+    "deterministic",
+    "experts",
+    "norm",
+    "prefill",
+    "rope",
+    "routing",
+    "sampling",
+]

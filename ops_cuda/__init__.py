@@ -15,6 +15,7 @@ from deepinfer.ops_cuda import (  # noqa: E402  (modules register into OPS)
     cache,
     ep,
     grouped_gemm,
+    linear,
     mla_decode,
     mla_prefill,
     moe,
@@ -25,12 +26,33 @@ from deepinfer.ops_cuda import (  # noqa: E402  (modules register into OPS)
     token_mask,
 )
 
+OPS.declare_invariant(
+    ["rms_norm", "add_rms_norm"], "one program per row, block size fixed by the hidden size"
+)
+OPS.declare_invariant(["silu_and_mul", "rope", "apply_token_bitmask"], "elementwise per row")
+OPS.declare_invariant(["kv_cache_spec", "kv_cache_write", "kv_cache_gather"], "layout and row copies")
+OPS.declare_invariant(
+    ["moe_route"], "each token routed in its own lanes; the block shape follows the expert count only"
+)
+OPS.declare_invariant(["sample"], "one program per row; counter-based noise")
+OPS.declare_invariant(["ep_dispatch"], "row copies and exchange")
+OPS.declare_invariant(
+    ["ep_combine"], "one program per token sums its k outputs in top-k slot order (no atomics)"
+)
+OPS.declare_invariant(
+    ["mla_prefill"],
+    "programs per (request, query block, head) with tiles fixed by the head widths and dtype, so batch "
+    "mates share no arithmetic; NOT invariant to how a prompt is chunked (deterministic mode runs every "
+    "token through mla_decode)",
+)
+
 __all__ = [
     "OPS",
     "activation",
     "cache",
     "ep",
     "grouped_gemm",
+    "linear",
     "mla_decode",
     "mla_prefill",
     "moe",

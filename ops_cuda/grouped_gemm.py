@@ -31,6 +31,9 @@ class TileSchedule:
     block_m: int
 
 
+INVARIANT_BLOCK_M = 32  # deterministic mode: one tile height whatever the row count
+
+
 def tile_block_m(num_rows: int, num_experts: int) -> int:
     """Tile height from the mean rows per expert: 16 at decode, up to 128 for prefill batches."""
     return min(128, block_pow2(num_rows // max(1, num_experts)))
@@ -159,8 +162,19 @@ def launch_grouped_gemm(
 def grouped_gemm(x: Tensor, weight: Tensor, group_sizes: Tensor) -> Tensor:
     """x: [N, K] rows sorted by expert; weight: [E, Nout, K]; group_sizes: [E] int64 summing to N (not
     checked: that would synchronise with the device). Returns a new [N, Nout] in x's dtype."""
+    return _grouped_gemm(x, weight, group_sizes, tile_block_m(x.shape[0], weight.shape[0]))
+
+
+def _grouped_gemm(x: Tensor, weight: Tensor, group_sizes: Tensor, block_m: int) -> Tensor:
     check_device(x, weight, group_sizes)
     x = x if x.stride(-1) == 1 else x.contiguous()
     weight = weight if weight.stride(-1) == 1 else weight.contiguous()
-    schedule = tile_schedule(group_sizes, x.shape[0], tile_block_m(x.shape[0], weight.shape[0]))
+    schedule = tile_schedule(group_sizes, x.shape[0], block_m)
     return launch_grouped_gemm(x, None, weight, schedule, x.shape[0], swiglu=False)
+
+
+@OPS.implement_invariant(
+    f"one tile height ({INVARIANT_BLOCK_M} rows) whatever the row count, fixed BLOCK_N/BLOCK_K, no split-K"
+)
+def grouped_gemm(x: Tensor, weight: Tensor, group_sizes: Tensor) -> Tensor:  # noqa: F811
+    return _grouped_gemm(x, weight, group_sizes, INVARIANT_BLOCK_M)

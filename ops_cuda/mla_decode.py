@@ -7,6 +7,12 @@ request, so the heads and the draft tokens of a speculative step share every key
 tiles are read through the block table one token at a time (a 64-token page holds two 32-token
 tiles). Each split writes its normalised partial output and log-sum-exp; a second kernel merges the
 splits. The grid depends only on tensor shapes, never on their values, so the op is CUDA-graph safe.
+
+Deterministic mode (``invariant_config``): the split count normally follows the batch (about two waves
+of programs), so a request's reduction order depends on its batch mates. The batch-invariant variant
+cuts keys at fixed positions (every ``INVARIANT_SPLIT`` keys from position 0), uses one BLOCK_M whatever
+the query count, always goes through the partials, and merges the splits one after another in position
+order, so a query token's bits depend only on its own keys.
 """
 
 from __future__ import annotations
@@ -48,6 +54,7 @@ def _decode_partials_kernel(
     L,
     R,
     window,
+    split_size,
     scale_log2,
     stride_qn_t,
     stride_qn_h,
@@ -60,6 +67,7 @@ def _decode_partials_kernel(
     PAGE: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
     DIRECT: tl.constexpr,
+    FIXED_SPLITS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_L: tl.constexpr,
@@ -83,13 +91,18 @@ def _decode_partials_kernel(
     token = (q_start + q_idx).to(tl.int64)
     q_pos = seq_len - n_q + q_idx
 
-    # Keys visible to any query of the request, shared out among the splits in whole tiles.
-    kv_lo = 0
-    if HAS_WINDOW:
-        kv_lo = tl.maximum(seq_len - n_q - window + 1, 0)
-    per_split = tl.cdiv(tl.cdiv(seq_len - kv_lo, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    start = kv_lo + split * per_split
-    end = tl.minimum(start + per_split, seq_len)
+    if FIXED_SPLITS:
+        # Fixed positions: split s holds keys [s * split_size, (s + 1) * split_size), whatever the batch.
+        start = split * split_size
+        end = tl.minimum(start + split_size, seq_len)
+    else:
+        # Keys visible to any query of the request, shared out among the splits in whole tiles.
+        kv_lo = 0
+        if HAS_WINDOW:
+            kv_lo = tl.maximum(seq_len - n_q - window + 1, 0)
+        per_split = tl.cdiv(tl.cdiv(seq_len - kv_lo, NUM_SPLITS), BLOCK_N) * BLOCK_N
+        start = kv_lo + split * per_split
+        end = tl.minimum(start + per_split, seq_len)
 
     cl = tl.arange(0, BLOCK_L)
     cr = tl.arange(0, BLOCK_R)
@@ -166,6 +179,37 @@ def _combine_splits_kernel(
     tl.store(dst, o.to(out_ptr.dtype.element_ty), mask=cl < L)
 
 
+@triton.jit
+def _combine_splits_in_order_kernel(
+    part_out_ptr,
+    part_lse_ptr,
+    out_ptr,
+    H,
+    L,
+    stride_o_t,
+    stride_o_h,
+    NUM_SPLITS: tl.constexpr,
+    BLOCK_L: tl.constexpr,
+):
+    """Deterministic merge: the splits' partial outputs added one after another in position order
+    (splits a row saw nothing of have lse = -inf and add exact zeros)."""
+    row = tl.program_id(0).to(tl.int64)  # t * H + h
+    cl = tl.arange(0, BLOCK_L)
+    top = float("-inf")
+    for s in range(NUM_SPLITS):
+        top = tl.maximum(top, tl.load(part_lse_ptr + row * NUM_SPLITS + s))
+    top = tl.where(top == float("-inf"), 0.0, top)
+    acc = tl.zeros([BLOCK_L], tl.float32)
+    total = 0.0
+    for s in range(NUM_SPLITS):
+        weight = tl.exp2(tl.load(part_lse_ptr + row * NUM_SPLITS + s) - top)
+        part = tl.load(part_out_ptr + (row * NUM_SPLITS + s) * L + cl, mask=cl < L, other=0.0)
+        acc += weight * part
+        total += weight
+    dst = out_ptr + (row // H) * stride_o_t + (row % H) * stride_o_h + cl
+    tl.store(dst, (acc / total).to(out_ptr.dtype.element_ty), mask=cl < L)
+
+
 @dataclass(frozen=True, slots=True)
 class DecodeConfig:
     block_m: int
@@ -173,6 +217,10 @@ class DecodeConfig:
     num_splits: int
     num_warps: int
     num_stages: int
+    split_size: int = 0  # > 0: fixed-position splits of this many keys, merged in order (deterministic)
+
+
+INVARIANT_SPLIT = 256  # deterministic mode: keys per split (a multiple of block_n)
 
 
 MIN_TILES_PER_SPLIT = 4  # below this a split's reduction traffic outweighs the parallelism it adds
@@ -198,6 +246,20 @@ def decode_config(
     return DecodeConfig(block_m, block_n, min(wanted, most_splits), num_warps=8, num_stages=min(stages, 2))
 
 
+def invariant_config(limits: DeviceLimits, element_size: int, max_keys: int, width: int) -> DecodeConfig:
+    """Deterministic mode: tiles fixed by the dtype, splits every INVARIANT_SPLIT key positions."""
+    block_m, block_n = (64 if element_size <= 2 else 16), 32
+    stages = pipeline_stages(limits, block_n * width * element_size, reserved=block_m * width * element_size)
+    return DecodeConfig(
+        block_m,
+        block_n,
+        max(1, triton.cdiv(max_keys, INVARIANT_SPLIT)),
+        num_warps=8,
+        num_stages=min(stages, 2),
+        split_size=INVARIANT_SPLIT,
+    )
+
+
 def launch_decode(
     q_nope: Tensor,
     q_pe: Tensor,
@@ -216,7 +278,8 @@ def launch_decode(
     num_reqs = seq_lens.shape[0]
     out = torch.empty((tokens, heads, latent), dtype=q_nope.dtype, device=q_nope.device)
     splits = config.num_splits
-    direct = splits == 1
+    fixed = config.split_size > 0
+    direct = splits == 1 and not fixed
     if direct:
         part_out = part_lse = out
     else:
@@ -238,6 +301,7 @@ def launch_decode(
         latent,
         rope_dim,
         sliding_window or 0,
+        config.split_size,
         scale * LOG2E,
         q_nope.stride(0),
         q_nope.stride(1),
@@ -250,6 +314,7 @@ def launch_decode(
         PAGE=cache.shape[1],
         HAS_WINDOW=sliding_window is not None,
         DIRECT=direct,
+        FIXED_SPLITS=fixed,
         BLOCK_M=config.block_m,
         BLOCK_N=config.block_n,
         BLOCK_L=block_pow2(latent),
@@ -257,7 +322,20 @@ def launch_decode(
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
-    if not direct:
+    if fixed:
+        _combine_splits_in_order_kernel[(tokens * heads,)](
+            part_out,
+            part_lse,
+            out,
+            heads,
+            latent,
+            out.stride(0),
+            out.stride(1),
+            NUM_SPLITS=splits,
+            BLOCK_L=pow2(latent),
+            num_warps=4,
+        )
+    elif not direct:
         _combine_splits_kernel[(tokens * heads,)](
             part_out,
             part_lse,
@@ -272,6 +350,17 @@ def launch_decode(
             num_warps=4,
         )
     return out
+
+
+def _prepare(q_nope: Tensor, q_pe: Tensor, kv_cache: Sequence[Tensor], *others: Tensor):
+    cache = cache_rows(kv_cache)
+    device = check_device(q_nope, q_pe, cache, *others)
+    return (
+        q_nope if q_nope.stride(-1) == 1 else q_nope.contiguous(),
+        q_pe if q_pe.stride(-1) == 1 else q_pe.contiguous(),
+        cache,
+        device,
+    )
 
 
 @OPS.implement
@@ -289,12 +378,7 @@ def mla_decode(
     """q_nope: [T, H, L], q_pe: [T, H, R] (unit stride along the last dim); kv_cache: (the
     [num_blocks, 64, L + R] cache,); block_table: [B, M] int32; seq_lens: [B] int32 (including the new
     tokens); query_start_loc: [B+1] int32. Returns a new [T, H, L] in q_nope's dtype."""
-    cache = cache_rows(kv_cache)
-    device = check_device(q_nope, q_pe, cache, block_table, seq_lens, query_start_loc)
-    if q_nope.stride(-1) != 1:
-        q_nope = q_nope.contiguous()
-    if q_pe.stride(-1) != 1:
-        q_pe = q_pe.contiguous()
+    q_nope, q_pe, cache, device = _prepare(q_nope, q_pe, kv_cache, block_table, seq_lens, query_start_loc)
     config = decode_config(
         device_limits(device),
         cache.element_size(),
@@ -302,6 +386,39 @@ def mla_decode(
         max_query_len * q_nope.shape[1],
         block_table.shape[1] * cache.shape[1],
         cache.shape[2],
+    )
+    return launch_decode(
+        q_nope,
+        q_pe,
+        cache,
+        block_table,
+        seq_lens,
+        query_start_loc,
+        max_query_len,
+        scale,
+        sliding_window,
+        config,
+    )
+
+
+@OPS.implement_invariant(
+    f"splits at fixed key positions (every {INVARIANT_SPLIT}), one BLOCK_M per dtype whatever the query "
+    "count, splits merged one after another in position order"
+)
+def mla_decode(  # noqa: F811 (the deterministic-mode variant)
+    q_nope: Tensor,
+    q_pe: Tensor,
+    kv_cache: Sequence[Tensor],
+    block_table: Tensor,
+    seq_lens: Tensor,
+    query_start_loc: Tensor,
+    max_query_len: int,
+    scale: float,
+    sliding_window: int | None = None,
+) -> Tensor:
+    q_nope, q_pe, cache, device = _prepare(q_nope, q_pe, kv_cache, block_table, seq_lens, query_start_loc)
+    config = invariant_config(
+        device_limits(device), cache.element_size(), block_table.shape[1] * cache.shape[1], cache.shape[2]
     )
     return launch_decode(
         q_nope,

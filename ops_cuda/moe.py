@@ -16,7 +16,12 @@ import triton.language as tl
 from torch import Tensor
 
 from deepinfer.ops_cuda import OPS
-from deepinfer.ops_cuda.grouped_gemm import launch_grouped_gemm, tile_block_m, tile_schedule
+from deepinfer.ops_cuda.grouped_gemm import (
+    INVARIANT_BLOCK_M,
+    launch_grouped_gemm,
+    tile_block_m,
+    tile_schedule,
+)
 from deepinfer.ops_cuda.runtime import check_device, pow2
 
 
@@ -67,6 +72,21 @@ def inverse_order(order: Tensor) -> Tensor:
 def fused_moe(hidden: Tensor, w13: Tensor, w2: Tensor, topk_weights: Tensor, topk_ids: Tensor) -> Tensor:
     """hidden: [T, D]; w13: [E, 2I, D] (gate rows, then up rows); w2: [E, D, I]; topk_weights: [T, k]
     float32; topk_ids: [T, k] int32/int64 (negative: another rank's expert). Returns a new [T, D]."""
+    pairs = topk_ids.numel()
+    return _fused_moe(hidden, w13, w2, topk_weights, topk_ids, tile_block_m(pairs, w13.shape[0]))
+
+
+@OPS.implement_invariant(
+    f"both expert GEMMs with one tile height ({INVARIANT_BLOCK_M} rows) whatever the batch, no split-K; "
+    "each token's k outputs summed in its top-k slot order by one program"
+)
+def fused_moe(hidden: Tensor, w13: Tensor, w2: Tensor, topk_weights: Tensor, topk_ids: Tensor) -> Tensor:  # noqa: F811
+    return _fused_moe(hidden, w13, w2, topk_weights, topk_ids, INVARIANT_BLOCK_M)
+
+
+def _fused_moe(
+    hidden: Tensor, w13: Tensor, w2: Tensor, topk_weights: Tensor, topk_ids: Tensor, block_m: int
+) -> Tensor:
     check_device(hidden, w13, w2, topk_weights, topk_ids)
     hidden = hidden if hidden.stride(-1) == 1 else hidden.contiguous()
     tokens, top_k = topk_ids.shape
@@ -77,7 +97,7 @@ def fused_moe(hidden: Tensor, w13: Tensor, w2: Tensor, topk_weights: Tensor, top
     order = torch.argsort(key, stable=True)
     sizes = torch.zeros(num_experts + 1, dtype=torch.int64, device=key.device)
     sizes.scatter_add_(0, key, torch.ones_like(key))
-    schedule = tile_schedule(sizes[:num_experts], pairs, tile_block_m(pairs, num_experts))
+    schedule = tile_schedule(sizes[:num_experts], pairs, block_m)
     token_of_row = (order // top_k).to(torch.int32)
     act = launch_grouped_gemm(hidden, token_of_row, w13, schedule, pairs, swiglu=True)
     y = launch_grouped_gemm(act, None, w2, schedule, pairs, swiglu=False)

@@ -16,5 +16,13 @@ OPS.use_reference_for(
 )
 OPS.use_reference_for(["kv_cache_gather"], "one index_select reads each row once")
 OPS.use_reference_for(["mla_prefill"], "torch's fused CPU attention per request; no faster kernel yet")
+OPS.use_reference_for(["linear"], "F.linear is MKL already")
+# Deterministic mode: the kernels split work by the batch (not checked for batch invariance yet), so the
+# mode runs the reference's invariant formulations over the same cache layout.
+OPS.declare_invariant(["kv_cache_spec", "kv_cache_write"], "the reference's layout; row copies")
+OPS.declare_variant(
+    ["mla_decode", "rms_norm", "add_rms_norm", "rope", "silu_and_mul", "grouped_gemm", "fused_moe"],
+    "OpenMP kernel, not checked for batch invariance",
+)
 
 __all__ = ["OPS", "attention", "cache", "moe", "norm"]

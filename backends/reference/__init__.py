@@ -12,11 +12,13 @@ OPS = OpTable(REFERENCE_BACKEND)
 from deepinfer.backends.reference import (  # noqa: E402  (submodules register into OPS)
     attention,
     cache,
+    deterministic,
     ep,
+    linear,
     moe,
     norm,
     rope,
     sampling,
 )
 
-__all__ = ["OPS", "attention", "cache", "ep", "moe", "norm", "rope", "sampling"]
+__all__ = ["OPS", "attention", "cache", "deterministic", "ep", "linear", "moe", "norm", "rope", "sampling"]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import Tensor
 
@@ -21,9 +23,30 @@ def moe_route(
     renormalize: bool,
     routed_scaling_factor: float,
 ) -> tuple[Tensor, Tensor]:
+    return route(
+        router_logits, correction_bias, top_k, n_group, topk_group, scoring_func, topk_method, renormalize,
+        routed_scaling_factor, lambda w: w.sum(dim=-1, keepdim=True), torch.sigmoid,
+    )  # fmt: skip
+
+
+def route(
+    router_logits: Tensor,
+    correction_bias: Tensor | None,
+    top_k: int,
+    n_group: int,
+    topk_group: int,
+    scoring_func: str,
+    topk_method: str,
+    renormalize: bool,
+    routed_scaling_factor: float,
+    row_sum: Callable[[Tensor], Tensor],
+    sigmoid: Callable[[Tensor], Tensor],
+) -> tuple[Tensor, Tensor]:
+    """``moe_route``, with ``row_sum`` ([T, k] -> [T, 1]) adding up each token's top-k weights and
+    ``sigmoid`` the scoring function's elementwise code."""
     logits = router_logits.float()
     if scoring_func == "sigmoid":
-        scores = logits.sigmoid()
+        scores = sigmoid(logits)
     elif scoring_func == "softmax":
         scores = logits.softmax(dim=-1)
     else:
@@ -54,7 +77,7 @@ def moe_route(
     expert_ids = choice.topk(top_k, dim=-1).indices
     weights = scores.gather(1, expert_ids)
     if renormalize:
-        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        weights = weights / (row_sum(weights) + 1e-20)
     weights = weights * routed_scaling_factor
     return weights, expert_ids.to(torch.int32)
 

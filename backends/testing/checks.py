@@ -390,3 +390,23 @@ def check_apply_token_bitmask(ops: OpTable, device: torch.device, case: str) -> 
     if not torch.equal(out.cpu(), expected):
         wrong = int((out.cpu() != expected).sum())
         raise AssertionError(f"apply_token_bitmask[{case}]: {wrong} logits differ from the mask")
+
+
+def check_linear(
+    ops: OpTable, device: torch.device, dtype: torch.dtype, k: int, n: int, heads: int, case: str
+) -> None:
+    """heads = 0: x [T, K] by weight [N, K] with a bias; heads > 0: per-head x [T, H, K] by [H, N, K]."""
+    gen = generator(case)
+    tokens = 13
+    if heads:
+        x, w, bias = randn(gen, tokens, heads, k), randn(gen, heads, n, k, scale=k**-0.5), None
+    else:
+        x, w, bias = randn(gen, tokens, k), randn(gen, n, k, scale=k**-0.5), randn(gen, n)
+    poison_device_memory(device)
+    out = ops.linear(
+        _on(x, device, dtype), _on(w, device, dtype), None if bias is None else _on(bias, device, dtype)
+    )
+    ref = reference_ops().linear(
+        _rounded(x, dtype), _rounded(w, dtype), None if bias is None else _rounded(bias, dtype)
+    )
+    assert_close(f"linear[{case}]", out, ref, dtype)

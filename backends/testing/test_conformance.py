@@ -9,6 +9,15 @@ from deepinfer.backends.testing import checks
 from deepinfer.backends.testing.harness import SMALL_MLA, SMALL_MOE, V3_MLA, Target, v3_moe
 
 MLA_SHAPES = [SMALL_MLA, V3_MLA]
+# (K, N, heads): small, V3's q_a_proj (7168 -> 1536), V3's absorbed W_UK per head (128 -> 512, 128 heads)
+LINEAR_DIMS = [(64, 48, 0), (48, 64, 4), (7168, 1536, 0), (128, 512, 128)]
+
+
+def linear_id(dims: tuple[int, int, int]) -> str:
+    k, n, heads = dims
+    return f"{'deepseek_v3' if k >= 128 else 'small'}-{k}x{n}x{heads}"
+
+
 DTYPES = ["float32", "bfloat16", "float16"]
 
 
@@ -25,6 +34,14 @@ def test_rms_norm(target: Target, dtype: str, hidden: int) -> None:
     checks.check_rms_norm(
         target.ops, target.device, _dtype(target, dtype), hidden, f"rms_norm-{hidden}-{dtype}"
     )
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dims", LINEAR_DIMS, ids=linear_id)
+def test_linear(target: Target, dtype: str, dims: tuple[int, int, int]) -> None:
+    k, n, heads = dims
+    case = f"linear-{linear_id(dims)}-{dtype}"
+    checks.check_linear(target.ops, target.device, _dtype(target, dtype), k, n, heads, case)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -120,6 +137,6 @@ def test_every_interface_op_is_covered() -> None:
     covered = {
         "rms_norm", "add_rms_norm", "silu_and_mul", "rope", "kv_cache_spec", "kv_cache_write",
         "kv_cache_gather", "mla_prefill", "mla_decode", "moe_route", "grouped_gemm", "fused_moe",
-        "ep_dispatch", "ep_combine", "sample", "apply_token_bitmask",
+        "ep_dispatch", "ep_combine", "sample", "apply_token_bitmask", "linear",
     }  # fmt: skip
     assert set(interface_ops()) == covered

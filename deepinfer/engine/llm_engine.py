@@ -72,7 +72,11 @@ class LLMEngine:
             torch.set_num_threads(threads)
         self.platform = resolve_platform(config.accelerator)
         set_current_platform(self.platform)
-        activate(self.platform)
+        deterministic = (
+            config.deterministic if config.deterministic is not None else envs.get("DEEPINFER_DETERMINISTIC")
+        )
+        self.deterministic = bool(deterministic)
+        activate(self.platform, deterministic=self.deterministic)
         self.device = self.platform.device()
         folder = Path(config.model)
         raw_dtype = _checkpoint_dtype(folder)
@@ -105,7 +109,10 @@ class LLMEngine:
                     tensor.zero_()  # padding rows read the reserved block: keep it finite
         self.kv_cache = KVCacheManager(num_blocks, self.cache_spec.block_size, config.enable_prefix_caching)
         self.structured = StructuredOutputs(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
-        inputs = InputBuilder(self.cache_spec.block_size, self.device, 1 + self.num_draft_tokens)
+        # Deterministic mode: one attention path for every token (prompt chunks take the absorbed decode
+        # path too), so a token's attention does not depend on chunking, prefix-cache hits or speculation.
+        decode_query_len = config.max_num_batched_tokens if self.deterministic else 1 + self.num_draft_tokens
+        inputs = InputBuilder(self.cache_spec.block_size, self.device, decode_query_len)
         proposer = (
             MTPProposer(self.model, self.kv_caches, inputs, self.num_draft_tokens, confidence)
             if self.num_draft_tokens

@@ -42,13 +42,13 @@ class MLAAttention(nn.Module):
         self.kv_a_layernorm = RMSNorm(self.latent, c.rms_norm_eps, dtype, device)
         self.kv_b_proj = Linear(self.latent, self.heads * (self.nope + self.v_dim), False, dtype, device)
         self.o_proj = Linear(self.heads * self.v_dim, c.hidden_size, bias, dtype, device)
-        self.w_uk: Tensor | None = None  # [H, Dn, L], set by finish_loading
+        self.w_uk: Tensor | None = None  # [H, L, Dn] (per-head linear layout), set by finish_loading
         self.w_uv: Tensor | None = None  # [H, Dv, L]
 
     def finish_loading(self) -> None:
         """Split kv_b_proj into the absorbed-decode factors (views, no copy)."""
         w = self.kv_b_proj.weight.view(self.heads, self.nope + self.v_dim, self.latent)
-        self.w_uk, self.w_uv = w[:, : self.nope], w[:, self.nope :]
+        self.w_uk, self.w_uv = w[:, : self.nope].transpose(1, 2), w[:, self.nope :]
 
     def forward(
         self,
@@ -75,7 +75,7 @@ class MLAAttention(nn.Module):
         num_decode = meta.num_decode_tokens
         if meta.decode is not None:
             d = meta.decode
-            q_latent = torch.einsum("thd,hdl->thl", q_nope[:num_decode], self.w_uk)
+            q_latent = ops.linear(q_nope[:num_decode], self.w_uk, None)
             o_latent = ops.mla_decode(
                 q_latent,
                 q_pe[:num_decode].contiguous(),
@@ -87,7 +87,7 @@ class MLAAttention(nn.Module):
                 self.scale,
                 self.window,
             )
-            out[:num_decode] = torch.einsum("thl,hvl->thv", o_latent, self.w_uv)
+            out[:num_decode] = ops.linear(o_latent, self.w_uv, None)
         if meta.prefill is not None:
             p = meta.prefill
             if p.context_slots is None:

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from deepinfer.backends import ops
 from deepinfer.model.attention import MLAAttention
 from deepinfer.model.attn_metadata import AttentionMetadata
 from deepinfer.model.config import ModelConfig
@@ -167,7 +168,7 @@ class DeepseekV3ForCausalLM(nn.Module):
     def compute_logits(self, hidden: Tensor) -> Tensor:
         """[N, D] -> [N, V] float32."""
         weight = self.embed_tokens if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        return ops.linear(hidden, weight, None).float()
 
     def mtp_forward(
         self,
@@ -188,7 +189,7 @@ class DeepseekV3ForCausalLM(nn.Module):
         cache = kv_caches[len(self.layers) + depth]
         hidden, residual = mtp.block(x, None, positions, meta, cache, self.cos_sin)
         hidden = hidden + residual
-        logits = F.linear(mtp.shared_head.norm(hidden), mtp.shared_head.head.weight).float()
+        logits = ops.linear(mtp.shared_head.norm(hidden), mtp.shared_head.head.weight, None).float()
         return hidden, logits
 
     # ------------------------------------------------------------------ weights

@@ -7,7 +7,6 @@ Every accelerator-specific computation goes through the op interface (``deepinfe
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from deepinfer.backends import ops
@@ -28,7 +27,7 @@ class Linear(nn.Module):
         self.bias = empty_param(out_features, dtype=dtype, device=device) if bias else None
 
     def forward(self, x: Tensor) -> Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return ops.linear(x, self.weight, self.bias)
 
 
 class RMSNorm(nn.Module):

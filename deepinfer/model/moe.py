@@ -12,7 +12,6 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from deepinfer.backends import ops
@@ -37,7 +36,7 @@ class Router(nn.Module):
         )
 
     def forward(self, x: Tensor) -> Tensor:
-        return F.linear(x.float(), self.weight)
+        return ops.linear(x.float(), self.weight, None)
 
 
 class Experts(nn.Module):

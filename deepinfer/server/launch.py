@@ -149,6 +149,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--register-with", metavar="URL", help="register with the router at URL (and keep doing so)"
     )
+    parser.add_argument("--deterministic", action="store_true", help="batch-invariant mode (README)")
     parser.add_argument(
         "--log-level",
         default=_default(ServerConfig, "log_level"),
@@ -173,6 +174,7 @@ def engine_config(args: argparse.Namespace, model: Path) -> EngineConfig:
         "num_draft_tokens": args.num_draft_tokens,
         "step_time_budget_ms": args.step_time_budget_ms,
         "async_scheduling": args.async_scheduling or None,
+        "deterministic": args.deterministic or None,
         "kv_store": kvstore_config_from_args(args),
     }
     from deepinfer.parallel.serve_args import parallel_options

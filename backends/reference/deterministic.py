@@ -1,0 +1,157 @@
+"""The reference backend in deterministic mode: which ops are batch-invariant as they are, and the
+invariant formulations of the others (built from ``invariant``'s fixed GEMM shape and KV splits).
+
+The model runs every token through ``mla_decode`` in this mode (the engine routes prompt chunks to the
+absorbed path too), so a token's attention is one computation whether it is decoded, part of a prompt
+chunk, a speculative draft being verified, or follows a prefix read from the prefix cache.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from deepinfer.backends.reference import OPS
+from deepinfer.backends.reference.invariant import (
+    KV_SPLIT,
+    ROW_TILE,
+    gather_keys,
+    split_kv_attention,
+    tiled_grouped,
+    tiled_linear,
+    vector_lanes,
+)
+from deepinfer.backends.reference.moe import route
+
+ONE_SHAPE = f"every product goes through one [{ROW_TILE}, K] x [K, N] GEMM shape, zero-padded row tiles"
+
+
+@OPS.implement_invariant("silu on vector lanes only (no scalar tail, no size-dependent thread split)")
+def silu_and_mul(x: Tensor) -> Tensor:
+    gate, up = x.chunk(2, dim=-1)
+    return vector_lanes(F.silu, gate) * up
+
+
+@OPS.implement_invariant(ONE_SHAPE)
+def linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    if x.dim() == 3:
+        if bias is not None:
+            raise ValueError("linear: a per-head weight [H, N, K] takes no bias")
+        return torch.stack([tiled_linear(x[:, h], weight[h]) for h in range(x.shape[1])], dim=1)
+    return tiled_linear(x, weight, bias)
+
+
+@OPS.implement_invariant(ONE_SHAPE + "; tiles never straddle two experts")
+def grouped_gemm(x: Tensor, weight: Tensor, group_sizes: Tensor) -> Tensor:
+    return tiled_grouped(x, weight, group_sizes.tolist())
+
+
+@OPS.implement_invariant(
+    ONE_SHAPE + " per expert; each token's k expert outputs are added in ascending expert id order"
+)
+def fused_moe(hidden: Tensor, w13: Tensor, w2: Tensor, topk_weights: Tensor, topk_ids: Tensor) -> Tensor:
+    num_tokens, top_k = topk_ids.shape
+    num_experts = w13.shape[0]
+    ids, slot = topk_ids.long().sort(dim=1, stable=True)  # remote experts (id < 0) first: they add 0
+    weights = topk_weights.float().gather(1, slot)
+    expert_of_pair = ids.reshape(-1)
+    token_of_pair = torch.arange(num_tokens, device=hidden.device).repeat_interleave(top_k)
+    local = expert_of_pair >= 0
+    order = torch.argsort(torch.where(local, expert_of_pair, num_experts), stable=True)
+    rows = order[: int(local.sum())]
+    sizes = torch.bincount(expert_of_pair[rows], minlength=num_experts).tolist()
+    gate_up = tiled_grouped(hidden.index_select(0, token_of_pair[rows]), w13, sizes)
+    expert_out = tiled_grouped(silu_and_mul(gate_up), w2, sizes)
+    per_pair = torch.zeros(num_tokens * top_k, hidden.shape[1], dtype=torch.float32, device=hidden.device)
+    per_pair[rows] = expert_out.float()
+    per_pair = per_pair.view(num_tokens, top_k, -1)
+    out = torch.zeros(num_tokens, hidden.shape[1], dtype=torch.float32, device=hidden.device)
+    for j in range(top_k):
+        out += weights[:, j, None] * per_pair[:, j]
+    return out.to(hidden.dtype)
+
+
+def _sum_in_order(weights: Tensor) -> Tensor:
+    """[T, k] -> [T, 1]: w0 + w1 + ... left to right (torch's sum over a short last dimension changes
+    its order with the number of rows: seen with k = 3 on one row against two)."""
+    total = weights[:, :1].clone()
+    for j in range(1, weights.shape[1]):
+        total += weights[:, j : j + 1]
+    return total
+
+
+@OPS.implement_invariant(
+    "per-row scores (sigmoid on vector lanes only), group scores and top-k; each token's k weights "
+    "renormalised by a left-to-right sum"
+)
+def moe_route(
+    router_logits: Tensor,
+    correction_bias: Tensor | None,
+    top_k: int,
+    n_group: int,
+    topk_group: int,
+    scoring_func: str,
+    topk_method: str,
+    renormalize: bool,
+    routed_scaling_factor: float,
+) -> tuple[Tensor, Tensor]:
+    return route(
+        router_logits, correction_bias, top_k, n_group, topk_group, scoring_func, topk_method, renormalize,
+        routed_scaling_factor, _sum_in_order, lambda x: vector_lanes(torch.sigmoid, x),
+    )  # fmt: skip
+
+
+@OPS.implement_invariant(
+    f"keys cut every {KV_SPLIT} positions from 0, each split through the fixed GEMM shape, splits "
+    "combined in ascending order: a query token's bits depend only on its own keys"
+)
+def mla_decode(
+    q_nope: Tensor,
+    q_pe: Tensor,
+    kv_cache: Sequence[Tensor],
+    block_table: Tensor,
+    seq_lens: Tensor,
+    query_start_loc: Tensor,
+    max_query_len: int,
+    scale: float,
+    sliding_window: int | None = None,
+) -> Tensor:
+    (cache,) = kv_cache
+    latent = q_nope.shape[-1]
+    rows = cache.view(-1, cache.shape[-1])
+    lens = seq_lens.tolist()
+    keys = gather_keys(rows[:, :latent], rows[:, latent:], block_table, lens, cache.shape[1])
+    queries = torch.cat((q_pe, q_nope), dim=-1).float()
+    out = split_kv_attention(queries, keys, lens, query_start_loc.tolist(), latent, scale, sliding_window)
+    return out.to(q_nope.dtype)
+
+
+OPS.declare_invariant(
+    ["rms_norm", "add_rms_norm"],
+    "one reduction per row over the hidden size, in an order torch fixes by that size (a reduction is "
+    "split across threads only past 32768 elements with one output row)",
+)
+OPS.declare_invariant(
+    ["rope", "apply_token_bitmask"], "elementwise per row: multiplications, additions, copies"
+)
+OPS.declare_invariant(
+    ["kv_cache_spec", "kv_cache_write", "kv_cache_gather"], "layout and row copies: no arithmetic"
+)
+OPS.declare_invariant(
+    ["mla_prefill"],
+    "one attention call per request, so batch mates never share its arithmetic; NOT invariant to how "
+    "the request's prompt is chunked, which is why deterministic mode runs every token through "
+    "mla_decode",
+)
+OPS.declare_invariant(
+    ["sample"], "per row: counter-based noise from (seed, offset, token) and per-row softmax, filters, argmax"
+)
+OPS.declare_invariant(["ep_dispatch"], "row copies and exchange: no arithmetic")
+OPS.declare_invariant(
+    ["ep_combine"],
+    "each token's expert outputs are weighted elementwise and added in the token's own send order "
+    "(ascending destination rank, then its top-k slot), whatever other tokens were sent",
+)
