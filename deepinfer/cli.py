@@ -111,16 +111,7 @@ def run(args: argparse.Namespace) -> int:
 def _run(args: argparse.Namespace) -> int:
     from deepinfer.sampling_params import SamplingParams
 
-<<<<<<< HEAD
-    options = {"dtype": args.dtype, **({"deterministic": True} if args.deterministic else {})}
-    if args.accelerator:
-        options["accelerator"] = args.accelerator
-    llm = LLM(args.model, **options)
-    engine = llm.engine
-    params = SamplingParams(
-=======
     params = SamplingParams(  # checked before the prompts are read and the model loads
->>>>>>> main
         temperature=args.temperature,
         top_p=args.top_p,
         top_k=args.top_k,
@@ -130,7 +121,7 @@ def _run(args: argparse.Namespace) -> int:
     prompts = _read_prompts(args)
     from deepinfer.llm import LLM
 
-    options = {"dtype": args.dtype}
+    options = {"dtype": args.dtype, **({"deterministic": True} if args.deterministic else {})}
     if args.accelerator:
         options["accelerator"] = args.accelerator
     llm = LLM(args.model, **options)

@@ -16,7 +16,11 @@ from deepinfer.parallel.plan_cli import add_memory_arguments, run_memory
 
 # name -> (help, add_arguments(parser), run(args) -> exit code). `deepinfer plan memory` goes here.
 PLAN_SUBCOMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Callable[..., int]]] = {
-    "memory": ("per-rank memory at expert-parallel sizes vs each chip's HBM", add_memory_arguments, run_memory),
+    "memory": (
+        "per-rank memory at expert-parallel sizes vs each chip's HBM",
+        add_memory_arguments,
+        run_memory,
+    ),
 }
 
 

@@ -50,5 +50,5 @@ def test_an_undeclared_op_of_the_backend_layout_blocks_deterministic_mode() -> N
     table.implement(kv_cache_spec)
     table.implement(attention.mla_decode)
     table.use_reference_for(sorted(set(interface_ops()) - {"kv_cache_spec", "mla_decode"}), "test")
-    with pytest.raises(MissingOpError, match="reads the backend.s own KV-cache layout"):
+    with pytest.raises(MissingOpError, match=r"reads the backend.s own KV-cache layout"):
         table.set_deterministic(True)
