@@ -189,5 +189,10 @@ def run_cluster(args: argparse.Namespace) -> int:
         return 2
     serve_args = ["--kv-cache-memory-gib", str(args.worker_kv_cache_gib), *shlex.split(args.serve_args)]
     return cluster.run_cluster(
-        {r: n for r, n in counts.items() if n}, args.model, serve_args, args.worker_threads, config
+        {r: n for r, n in counts.items() if n},
+        args.model,
+        serve_args,
+        args.worker_threads,
+        config,
+        serve_router,
     )

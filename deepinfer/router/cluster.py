@@ -21,7 +21,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -160,11 +160,15 @@ def _sigterm_as_interrupt(signum, frame) -> None:
 
 
 def run_cluster(
-    counts: dict[str, int], model: str | None, serve_args: Sequence[str], threads: int | None, router_config
+    counts: dict[str, int],
+    model: str | None,
+    serve_args: Sequence[str],
+    threads: int | None,
+    router_config,
+    serve_router: Callable[..., None],
 ) -> int:
-    """Start the workers, then the router on ``router_config.port`` until Ctrl-C / SIGTERM."""
-    from deepinfer.router.cli import serve_router
-
+    """Start the workers, then the router on ``router_config.port`` until Ctrl-C / SIGTERM
+    (``serve_router(config)`` runs it: passed in by the command line, which owns the router's start)."""
     log_dir = Path(tempfile.mkdtemp(prefix="deepinfer-cluster-"))
     previous = signal.signal(signal.SIGTERM, _sigterm_as_interrupt)  # startup is interruptible too
     try:
