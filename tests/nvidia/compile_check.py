@@ -77,6 +77,10 @@ def _launches(limits: runtime.DeviceLimits, dtype: torch.dtype) -> list[tuple[An
     # One long request with a sliding window: split KV, so the merge kernel runs too.
     ops["mla_decode"](t(1, heads, latent), t(1, heads, rope_dim), cache, t(1, 64, dt=torch.int32),
                       t(1, dt=torch.int32), t(2, dt=torch.int32), 1, 0.1, 128)  # fmt: skip
+    # Deterministic mode: fixed-position splits merged in order, by their own merge kernel.
+    OPS.deterministic_implementation("mla_decode")(
+        t(1, heads, latent), t(1, heads, rope_dim), cache, t(1, 64, dt=torch.int32),
+        t(1, dt=torch.int32), t(2, dt=torch.int32), 1, 0.1)  # fmt: skip
     ops["mla_prefill"](t(tokens, heads, 192), t(tokens, heads, 192), t(tokens, heads, 128),
                        t(2, dt=torch.int32), t(2, dt=torch.int32), tokens, tokens, 0.1, 128)  # fmt: skip
     ops["moe_route"](t(tokens, experts, dt=torch.float32), t(experts, dt=torch.float32), 8, 8, 4, "sigmoid",
