@@ -85,11 +85,12 @@ def npu_rotary_mul(
     elif rotary_mode == "interleave":
         spread = [i for i in range(3) if r1.shape[i] != 1]
         _require(
-            len(spread) == 1 and r1.shape[spread[0]] == x.shape[spread[0]],
+            len(spread) <= 1 and all(r1.shape[i] == x.shape[i] for i in spread),  # 1111D: one token
             op,
             "interleave mode broadcasts r1 / r2 as 11SD, 1S1D or S11D only",
         )
-        others = [x.shape[i] for i in range(3) if i != spread[0]]
+        seq_dim = spread[0] if spread else 1  # one token: read as 1S1D with S = 1
+        others = [x.shape[i] for i in range(3) if i != seq_dim]
         _require(others[0] * others[1] < 1000, op, "interleave mode needs B * N < 1000")
         rotated = torch.stack((-xf[..., 1::2], xf[..., 0::2]), dim=-1).flatten(-2)
     else:
