@@ -273,8 +273,13 @@ class DataParallelEngine:
                     if message[0] == "fatal":
                         self._failures.append(message[1])
             alive = [r for r in alive if self.procs[r].is_alive()]
+        exits = [  # the ranks that died on their own (before the close below kills the rest)
+            f"data-parallel rank {r} (pid {p.pid}) exited with code {p.exitcode}"
+            for r, p in enumerate(self.procs)
+            if not p.is_alive() and p.exitcode != 0
+        ]
         self.close(graceful=False)
-        reports = [f for f in self._failures if f != reason]
+        reports = [f for f in [*self._failures, *exits] if f != reason]
         raise RankFailedError("; ".join([reason, *reports]))
 
     def close(self, graceful: bool = True, timeout: float = 30.0) -> None:
