@@ -32,7 +32,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from deepinfer.backends.reference.invariant import KV_SPLIT, gather_keys, split_kv_attention
+from deepinfer.backends.reference.invariant import KV_SPLIT, split_kv_attention
 from deepinfer.ops_ascend import OPS
 from deepinfer.ops_ascend.host import host_list
 
@@ -70,11 +70,9 @@ def mla_decode(
 ) -> Tensor:
     latent, rope = kv_cache
     lens = host_list(seq_lens)
-    keys = gather_keys(
-        latent.view(-1, latent.shape[-1]), rope.view(-1, rope.shape[-1]), block_table, lens, latent.shape[1]
-    )
-    queries = torch.cat((q_pe, q_nope), dim=-1).float()
+    queries = torch.cat((q_nope, q_pe), dim=-1).float()  # the key's order: latent, then rope
     out = split_kv_attention(
-        queries, keys, lens, host_list(query_start_loc), q_nope.shape[-1], scale, sliding_window
-    )
+        queries, (latent.view(-1, latent.shape[-1]), rope.view(-1, rope.shape[-1])), block_table,
+        latent.shape[1], lens, host_list(query_start_loc), q_nope.shape[-1], scale, sliding_window,
+    )  # fmt: skip
     return out.to(q_nope.dtype)

@@ -18,7 +18,6 @@ from deepinfer.backends.reference import OPS
 from deepinfer.backends.reference.invariant import (
     KV_SPLIT,
     ROW_TILE,
-    gather_keys,
     split_kv_attention,
     tiled_grouped,
     tiled_linear,
@@ -120,12 +119,11 @@ def mla_decode(
     sliding_window: int | None = None,
 ) -> Tensor:
     (cache,) = kv_cache
-    latent = q_nope.shape[-1]
-    rows = cache.view(-1, cache.shape[-1])
-    lens = seq_lens.tolist()
-    keys = gather_keys(rows[:, :latent], rows[:, latent:], block_table, lens, cache.shape[1])
-    queries = torch.cat((q_pe, q_nope), dim=-1).float()
-    out = split_kv_attention(queries, keys, lens, query_start_loc.tolist(), latent, scale, sliding_window)
+    queries = torch.cat((q_nope, q_pe), dim=-1).float()  # the cache row's order: latent, then rope
+    out = split_kv_attention(
+        queries, (cache.view(-1, cache.shape[-1]),), block_table, cache.shape[1], seq_lens.tolist(),
+        query_start_loc.tolist(), q_nope.shape[-1], scale, sliding_window,
+    )  # fmt: skip
     return out.to(q_nope.dtype)
 
 
