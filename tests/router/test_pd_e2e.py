@@ -6,9 +6,11 @@ is left behind."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 
 from tests.router.cluster import Cluster, plain_server, running_cluster, worker_load, worker_metric
@@ -75,3 +77,54 @@ def _all_apis_match(c: Cluster, single: str) -> None:
     # the decode worker acked every lease: none left in the store's table
     assert worker_load(prefill)["kv_leases"] == 0
     assert not list((Path(c.log).parent / "store" / "leases").iterdir())
+
+
+def test_a_corrupt_block_in_the_store_is_recomputed_not_read(pd: Cluster) -> None:
+    """The router's two hops by hand: a PrefillOrder to the prefill worker, one of the leased block
+    files corrupted, then the DecodeOrder to the decode worker: the same greedy answer, the bad block
+    and the ones after it counted as recomputed, the lease acked."""
+    c = pd
+    (p,), (d,) = c.workers_of("prefill"), c.workers_of("decode")
+    text = LONG + "\n    for key in sorted(os.environ):\n        print(key, os.environ[key])\n"
+    body = {"model": MODEL, "prompt": text, "max_tokens": 8, "temperature": 0}
+    order = {"handoff_id": "corrupt-test", "deadline_unix": time.time() + 60, "lease_s": 30.0}
+    r = httpx.post(f"{p}/v1/completions", json={**body, "max_tokens": 1, "kv_transfer": order}, timeout=60)
+    assert r.status_code == 200, r.text
+    result = r.json()["kv_transfer"]
+    keys = result["block_keys"]
+    assert len(keys) >= 3 and result["handoff_id"] == "corrupt-test"
+    assert worker_load(p)["kv_leases"] == 1
+    store = Path(c.log).parent / "store"
+    (bad,) = store.glob(f"kv1/*/{keys[1][:2]}/{keys[1]}.kvb")
+    raw = bytearray(bad.read_bytes())
+    raw[-1] ^= 0xFF  # payload bytes no longer match the record's checksum
+    bad.write_bytes(bytes(raw))
+    loaded = worker_metric(d, "deepinfer_kv_handoff_loaded_blocks_total")
+    recomputed = worker_metric(d, "deepinfer_kv_handoff_recomputed_blocks_total")
+    decode_order = {k: result[k] for k in ("handoff_id", "first_token_id", "block_keys", "num_prompt_tokens",
+                                           "num_cached_tokens", "kv_layout", "lease_expires_unix")}  # fmt: skip
+    decode_order["deadline_unix"] = order["deadline_unix"]
+    got = httpx.post(f"{d}/v1/completions", json={**body, "kv_transfer": decode_order}, timeout=60)
+    assert got.status_code == 200, got.text
+    expected = httpx.post(f"{p}/v1/completions", json=body, timeout=60).json()["choices"][0]["text"]
+    assert got.json()["choices"][0]["text"] == expected
+    assert got.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 16  # the first block only
+    assert worker_metric(d, "deepinfer_kv_handoff_loaded_blocks_total") == loaded + 1
+    assert worker_metric(d, "deepinfer_kv_handoff_recomputed_blocks_total") == recomputed + len(keys) - 1
+    assert worker_load(p)["kv_leases"] == 0  # the decode's ack
+    again = httpx.post(f"{p}/kv/release", json={"handoff_id": "corrupt-test"}, timeout=10)
+    assert again.json() == {"released": False}  # idempotent
+
+
+def test_orders_are_checked(pd: Cluster) -> None:
+    c = pd
+    (p,), (d,) = c.workers_of("prefill"), c.workers_of("decode")
+    body = {"model": MODEL, "prompt": LONG, "max_tokens": 1}
+    order = {"handoff_id": "x", "deadline_unix": time.time() + 60, "lease_s": 5.0}
+    late = httpx.post(f"{p}/v1/completions", json={**body, "kv_transfer": {**order, "deadline_unix": 1.0}})
+    assert late.status_code == 504 and "deadline" in late.json()["error"]["message"]
+    bad = httpx.post(f"{p}/v1/completions", json={**body, "kv_transfer": {**order, "handoff_id": "../x"}})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "kv_transfer"
+    wrong_side = httpx.post(f"{d}/v1/completions", json={**body, "kv_transfer": order})
+    assert wrong_side.status_code == 409 and "does not prefill" in wrong_side.json()["error"]["message"]
+    assert httpx.post(f"{p}/kv/release", json={"handoff_id": "a/b"}).status_code == 400
