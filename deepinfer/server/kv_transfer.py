@@ -310,7 +310,7 @@ class _ReleaseBody(msgspec.Struct, frozen=True):
     handoff_id: str
 
 
-@router.post(RELEASE_PATH)
+@router.post(RELEASE_PATH, include_in_schema=False)  # between workers and routers, not for clients
 async def release(request: Request) -> JSONResponse:
     """Release a handoff's lease (``{"handoff_id": ...}``); idempotent: ``released`` says whether it
     was still held."""
