@@ -183,6 +183,44 @@ def check_mla_prefill(
     assert_close(f"mla_prefill[{case}]", out, ref, dtype)
 
 
+def check_mla_prefill_partial(
+    ops: OpTable, device: torch.device, dtype: torch.dtype, shape: MLAShape, causal: bool, case: str
+) -> None:
+    """Both outputs (attention and log-sum-exp); without causality, one request has no keys (its rows
+    must come back as 0 and -inf)."""
+    gen = generator(case)
+    q_lens = [6, 3, 1, 17]
+    k_lens = [6, 11, 4, 17] if causal else [5, 0, 9, 2]
+    cu_q = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    cu_k = torch.tensor([0, *torch.tensor(k_lens).cumsum(0).tolist()], dtype=torch.int32)
+    width = shape.nope + shape.rope
+    q = randn(gen, sum(q_lens), shape.heads, width)
+    k = randn(gen, sum(k_lens), shape.heads, width)
+    v = randn(gen, sum(k_lens), shape.heads, shape.v)
+    scale = width**-0.5
+    args = (max(q_lens), max(k_lens), scale, causal)
+    poison_device_memory(device)
+    out, lse = ops.mla_prefill_partial(
+        _on(q, device, dtype), _on(k, device, dtype), _on(v, device, dtype), _on(cu_q, device),
+        _on(cu_k, device), *args,
+    )  # fmt: skip
+    ref, ref_lse = reference_ops().mla_prefill_partial(
+        _rounded(q, dtype), _rounded(k, dtype), _rounded(v, dtype), cu_q, cu_k, *args
+    )
+    for name, got in (("out", out), ("lse", lse)):
+        if got.dtype != torch.float32:
+            raise AssertionError(f"mla_prefill_partial.{name}[{case}]: {got.dtype}, expected torch.float32")
+    empty = ref_lse == float("-inf")
+    lse = lse.cpu()
+    if not torch.equal(lse == float("-inf"), empty):
+        raise AssertionError(f"mla_prefill_partial.lse[{case}]: -inf exactly where a query has no keys")
+    if not bool((out.cpu()[empty] == 0).all()):
+        raise AssertionError(f"mla_prefill_partial.out[{case}]: rows of queries without keys must be 0")
+    seen = ~empty.all(dim=1)
+    assert_close(f"mla_prefill_partial.out[{case}]", out.cpu()[seen], ref[seen], dtype)
+    assert_close(f"mla_prefill_partial.lse[{case}]", lse[seen], ref_lse[seen], dtype)
+
+
 def _contiguous_reference_cache(
     shape: MLAShape, dtype: torch.dtype, seq_lens: list[int], batch: PagedBatch
 ) -> tuple[tuple[Tensor, ...], Tensor]:

@@ -16,7 +16,13 @@ import torch
 from torch import Tensor
 
 from deepinfer.engine.sched_output import ScheduledRequest
-from deepinfer.model.attn_metadata import AttentionMetadata, DecodeMetadata, PrefillMetadata
+from deepinfer.model.attn_metadata import (
+    CONTEXT_TILE_TOKENS,
+    AttentionMetadata,
+    ContextTile,
+    DecodeMetadata,
+    PrefillMetadata,
+)
 
 
 @dataclass(slots=True)
@@ -31,12 +37,21 @@ class StepInputs:
 
 
 class InputBuilder:
-    def __init__(self, block_size: int, device: torch.device, decode_query_len: int = 1) -> None:
+    def __init__(
+        self,
+        block_size: int,
+        device: torch.device,
+        decode_query_len: int = 1,
+        context_tile: int = CONTEXT_TILE_TOKENS,
+    ) -> None:
         """``decode_query_len``: requests computing at most this many tokens (one plus their drafts)
-        take the absorbed decode path."""
+        take the absorbed decode path; ``context_tile``: keys per tile of a long cached context."""
+        if context_tile < 1:
+            raise ValueError(f"context_tile must be >= 1, got {context_tile}")
         self.block_size = block_size
         self.device = device
         self.decode_query_len = decode_query_len
+        self.context_tile = context_tile
 
     def prepare(self, requests: Sequence[ScheduledRequest]) -> StepInputs:
         """Tensors of one step on the device: decode requests first, then prefill chunks."""
@@ -88,6 +103,7 @@ class InputBuilder:
                 max_seqlen_q=int(p_q.max()),
                 max_seqlen_k=int(p_k.max()),
                 context_slots=context_slots,
+                context_tiles=self._context_tiles(table[num_decode:], starts[num_decode:], p_q),
             )
         meta = AttentionMetadata(torch.from_numpy(slots).to(dev), decode_meta, prefill_meta)
         floors = np.array([r.write_floor for r in order], dtype=np.int64)
@@ -102,3 +118,43 @@ class InputBuilder:
             order,
             offsets[:-1].tolist(),
         )
+
+    def _context_tiles(
+        self, table: np.ndarray, context: np.ndarray, query_lens: np.ndarray
+    ) -> tuple[ContextTile, ...]:
+        """Cut the prefill requests' cached context (positions ``[0, context[i])`` of request ``i``,
+        concatenated in request order) into tiles of ``context_tile`` keys; none when it fits one."""
+        total = int(context.sum())
+        if total <= self.context_tile:
+            return ()
+        bs, dev = self.block_size, self.device
+        cum_k = np.concatenate(([0], np.cumsum(context)))
+        cum_q = np.concatenate(([0], np.cumsum(query_lens)))
+        tiles = []
+        for t0 in range(0, total, self.context_tile):
+            t1 = min(t0 + self.context_tile, total)
+            first = int(np.searchsorted(cum_k, t0, side="right")) - 1
+            last = int(np.searchsorted(cum_k, t1, side="left")) - 1
+            lo = np.clip(t0 - cum_k[first : last + 1], 0, None)  # each request's key range in the tile
+            hi = np.minimum(t1, cum_k[first + 1 : last + 2]) - cum_k[first : last + 1]
+            hi = np.maximum(hi, lo)
+            pos = np.concatenate([np.arange(a, b) for a, b in zip(lo, hi)])
+            req = np.repeat(np.arange(first, last + 1), hi - lo)
+            slots = table[req, pos // bs] * bs + pos % bs
+            q_lens = query_lens[first : last + 1]
+            tiles.append(
+                ContextTile(
+                    q_start=int(cum_q[first]),
+                    q_end=int(cum_q[last + 1]),
+                    slots=torch.from_numpy(slots).to(dev),
+                    cu_seqlens_q=torch.from_numpy(
+                        (cum_q[first : last + 2] - cum_q[first]).astype(np.int32)
+                    ).to(dev),
+                    cu_seqlens_k=torch.from_numpy(
+                        np.concatenate(([0], np.cumsum(hi - lo))).astype(np.int32)
+                    ).to(dev),
+                    max_seqlen_q=int(q_lens.max()),
+                    max_seqlen_k=int((hi - lo).max()),
+                )
+            )
+        return tuple(tiles)
