@@ -36,9 +36,10 @@ from deepinfer.sim.cachesim import CacheStage, run_cache_stage
 from deepinfer.sim.cluster import ClusterConfig, EngineKnobs, PoolConfig, Simulation
 from deepinfer.sim.costs import DEEPSEEK_V3, ForwardCost, RooflineCost
 from deepinfer.sim.policies import (
-    TtlLruRetention,
+    TierRetention,
     expert_imbalance,
     identity_placement,
+    retention_policy,
     synthetic_expert_load,
 )
 from deepinfer.sim.report import summarise
@@ -175,11 +176,13 @@ class Planner:
         self.log: list[str] = []
 
     # ------------------------------------------------------------------ stage 1: the cache
-    def _tiers(self, host_bytes: float, store_bytes: float) -> TieredStore:
+    def _tiers(self, host_bytes: float, store_bytes: float, ttl_scale: float) -> TieredStore:
+        """Host and store tiers under the KV store's retention policy with the classes' TTLs scaled."""
+        policy = retention_policy(self._ttl_spec(ttl_scale).ttls)
         tiers = []
         if host_bytes > 0:
-            tiers.append(Tier("host", TtlLruRetention(host_bytes), self.options.host_read_bytes_per_s, False))
-        tiers.append(Tier("store", TtlLruRetention(store_bytes), self.sku.scale_out_bytes_per_s))
+            tiers.append(Tier("host", TierRetention(policy, host_bytes), self.options.host_read_bytes_per_s))
+        tiers.append(Tier("store", TierRetention(policy, store_bytes), self.sku.scale_out_bytes_per_s))
         return TieredStore(tiers, self.kv_bytes)
 
     def _ttl_spec(self, scale: float, start_hour: float | None = None) -> WorkloadSpec:
@@ -192,7 +195,9 @@ class Planner:
     def cache_stage(self, store_tb: float, ttl_scale: float, prefill_chips: int) -> CacheStage:
         o = self.options
         share = min(1.0, o.cache_requests / (self.mean_rate * o.cache_horizon_s))
-        store = self._tiers(o.host_gb_per_chip * 1e9 * prefill_chips * share, store_tb * 1e12 * share)
+        store = self._tiers(
+            o.host_gb_per_chip * 1e9 * prefill_chips * share, store_tb * 1e12 * share, ttl_scale
+        )
         return run_cache_stage(self._ttl_spec(ttl_scale), store, o.cache_horizon_s, share, o.seed)
 
     # ------------------------------------------------------------------ stage 2: sizing
@@ -249,7 +254,7 @@ class Planner:
             max_num_batched_tokens=2048, max_num_seqs=256,
         )  # fmt: skip
         start = (self.peak_hour - o.cache_warm_s / 3600) % 24
-        store = self._tiers(o.host_gb_per_chip * 1e9 * p_exact, d.store_tb * 1e12 * share)
+        store = self._tiers(o.host_gb_per_chip * 1e9 * p_exact, d.store_tb * 1e12 * share, d.ttl_scale)
         config = ClusterConfig(
             [
                 PoolConfig(
