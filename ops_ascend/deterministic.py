@@ -11,7 +11,7 @@ changes). Hence, per op:
   ``npu_swiglu`` (silu_and_mul), ``npu_rotary_mul`` (rope); copies kept: ``npu_scatter_pa_kv_cache``
   (kv_cache_write), ``index_select`` (kv_cache_gather);
 - kernels with a reduction whose tiling the documentation does not pin, routed to the reference's
-  invariant formulation (plain torch on the NPU, one reduction per row / one GEMM shape):
+  invariant formulation (plain torch on the NPU, one reduction per row / row counts in whole tiles):
   ``npu_rms_norm`` / ``npu_add_rms_norm``, ``npu_moe_gating_top_k`` (moe_route), ``npu_grouped_matmul``
   (grouped_gemm, fused_moe, with ``npu_moe_init_routing_v2`` and ``npu_moe_token_unpermute``), FIA v2 TND
   (mla_prefill; deterministic mode does not call it);
@@ -54,8 +54,9 @@ OPS.declare_variant(["mla_prefill"], f"{UNDOCUMENTED} npu_fused_infer_attention_
 
 
 @OPS.implement_invariant(
-    f"{UNDOCUMENTED} the FIA MLA kernel: replaced by fixed splits of {KV_SPLIT} keys through one GEMM "
-    "shape over this backend's latent and rope caches (torch on the NPU)"
+    f"{UNDOCUMENTED} the FIA MLA kernel: replaced by fixed splits of {KV_SPLIT} keys "
+    "(the reference's formulation: row counts padded to whole tiles, splits added in ascending order) "
+    "over this backend's latent and rope caches (torch on the NPU)"
 )
 def mla_decode(
     q_nope: Tensor,

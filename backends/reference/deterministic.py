@@ -1,5 +1,5 @@
 """The reference backend in deterministic mode: which ops are batch-invariant as they are, and the
-invariant formulations of the others (built from ``invariant``'s fixed GEMM shape and KV splits).
+invariant formulations of the others (built from ``invariant``'s padded row counts and fixed KV splits).
 
 The model runs every token through ``mla_decode`` in this mode (the engine routes prompt chunks to the
 absorbed path too), so a token's attention is one computation whether it is decoded, part of a prompt
@@ -25,7 +25,10 @@ from deepinfer.backends.reference.invariant import (
 )
 from deepinfer.backends.reference.moe import route
 
-ONE_SHAPE = f"every product goes through one [{ROW_TILE}, K] x [K, N] GEMM shape, zero-padded row tiles"
+ONE_SHAPE = (
+    f"every product's row count zero padded to a multiple of {ROW_TILE} (the BLAS then rounds a row the "
+    "same whatever the row count)"
+)
 
 
 @OPS.implement_invariant("silu on vector lanes only (no scalar tail, no size-dependent thread split)")
@@ -43,7 +46,7 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     return tiled_linear(x, weight, bias)
 
 
-@OPS.implement_invariant(ONE_SHAPE + "; tiles never straddle two experts")
+@OPS.implement_invariant(ONE_SHAPE + "; one product per expert")
 def grouped_gemm(x: Tensor, weight: Tensor, group_sizes: Tensor) -> Tensor:
     return tiled_grouped(x, weight, group_sizes.tolist())
 
@@ -104,8 +107,10 @@ def moe_route(
 
 
 @OPS.implement_invariant(
-    f"keys cut every {KV_SPLIT} positions from 0, each split through the fixed GEMM shape, splits "
-    "combined in ascending order: a query token's bits depend only on its own keys"
+    f"keys cut every {KV_SPLIT} positions from 0; scores as one product over the head width, the "
+    "softmax from each row's maximum over all its keys, each split's weighted values as one product, "
+    "splits added in ascending order; row counts padded to a multiple of "
+    f"{ROW_TILE}: a query token's bits depend only on its own query and keys"
 )
 def mla_decode(
     q_nope: Tensor,
