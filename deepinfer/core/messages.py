@@ -84,6 +84,9 @@ class EngineStats(msgspec.Struct, array_like=True, frozen=True):
     spec: SpecCounts = SpecCounts()
     kv_store: dict | None = None  # KV store counters (deepinfer.kvstore.metrics); None when off
     load: EngineLoad = EngineLoad()  # what routers see (GET /load)
+    # a data-parallel rank with expert parallelism: (token, expert) pairs its experts computed per
+    # computing step, over the EPLB window (deepinfer.parallel.core); None otherwise
+    expert_tokens_per_step: float | None = None
 
     @property
     def kv_cache_usage(self) -> float:

@@ -26,7 +26,7 @@ from deepinfer.tokenizer import Tokenizer
 def build_app(client: EngineClient, config: ServerConfig, tokenizer: Tokenizer | None) -> FastAPI:
     """An app serving through ``client``. The app's startup starts the client's cores and waits
     until they are ready (ASGI lifespan); its shutdown stops them."""
-    metrics = ServerMetrics(lambda: client.stats, lambda: client.num_in_flight)
+    metrics = ServerMetrics(lambda: client.stats, lambda: client.num_in_flight, client.core_stats)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
