@@ -44,7 +44,7 @@ import httpx
 from deepinfer.bench.serve import RequestResult, _one, summarise
 from deepinfer.bench.workload import heldout_stream
 from deepinfer.model_zoo import default_model_path
-from deepinfer.router.cluster import free_port
+from deepinfer.router.cluster import _die_with_parent, free_port
 from deepinfer.tokenizer import Tokenizer
 
 MODEL = "deepinfer-tiny-coder"
@@ -64,10 +64,13 @@ def cluster(setup: str, work: Path, kv_gib: float) -> Iterator[str]:
     store = work / f"store-{setup}-{time.monotonic_ns()}"
     cmd = [sys.executable, "-m", "deepinfer.cli", "cluster", "--port", str(port), "--kv-store-path", str(store),
            "--worker-kv-cache-gib", str(kv_gib), "--serve-args=--max-model-len 8192", "--log-level", "warning",
+           "--first-byte-timeout-s", "900", "--request-timeout-s", "1200",
            *SETUPS[setup]]  # fmt: skip
     log = work / f"cluster-{setup}.log"
     with open(log, "wb") as out:
-        process = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        process = subprocess.Popen(  # it (and so its workers) gets SIGTERM if this process dies
+            cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=_die_with_parent
+        )
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 300
@@ -172,15 +175,17 @@ def main() -> int:
     parser.add_argument("--long-rate", type=float, default=0.15)
     parser.add_argument("--long-output", type=int, default=8)
     parser.add_argument("--kv-gib", type=float, default=0.5, help="KV cache (and host tier) per worker")
+    parser.add_argument("--setups", nargs="+", choices=list(SETUPS), default=list(SETUPS))
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="bench/results/pd_itl.json")
     args = parser.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stop the clusters on the way out
     stream = heldout_stream(Tokenizer(default_model_path()))
     work = Path(tempfile.mkdtemp(prefix="deepinfer-pd-itl-"))
-    runs: dict[str, list[dict]] = {s: [] for s in SETUPS}
+    runs: dict[str, list[dict]] = {s: [] for s in args.setups}
     started = time.monotonic()
     for rep in range(args.reps):
-        for setup in SETUPS:
+        for setup in args.setups:
             with cluster(setup, work, args.kv_gib) as url:
                 warm(url, stream)
                 record = {"rep": rep, "load_before": os.getloadavg()[0]}
@@ -205,7 +210,7 @@ def main() -> int:
             s["mixed_itl_p99"] / s["short_itl_p99"] if s["mixed_itl_p99"] and s["short_itl_p99"] else None
         )
         summary[setup] = s
-    ratio = summary["disaggregated"]["itl_p99_ratio_mixed_over_short"]
+    ratio = summary.get("disaggregated", {}).get("itl_p99_ratio_mixed_over_short")
     result = {
         "what": "short-request ITL/TTFT/TPOT with and without 4k-8k-token prompts: 1 aggregated worker (2 threads) "
         "vs 1 prefill + 1 decode worker (1 thread each), medians over alternated repetitions",
