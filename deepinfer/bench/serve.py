@@ -154,7 +154,9 @@ def compare_offline(
     ``llm``: an in-process ``LLM`` built with the server's engine options (its ``max_num_seqs`` no
     larger than ``concurrency``, so both sides run the same batch). Each rep also records the
     host's load average and, for a server on this host, the CPU seconds per output token of the
-    bench client, the API front and the engine core(s): where the served side's CPU went."""
+    bench client, the API front and the engine core(s): where the served side's CPU went. On a
+    loaded host the wall-clock ratio favours the served side (three processes get more of the
+    scheduler than one); ``offline_over_served_cpu_per_token`` (median over reps) does not."""
     from deepinfer.bench.offline import run_offline
 
     pids = _server_pids(url)
@@ -177,12 +179,19 @@ def compare_offline(
             "cpu_us_per_token": {k: 1e6 * (after[k] - before[k]) / run["output_tokens"] for k in after},
         })  # fmt: skip
     off, srv = statistics.median(offline), statistics.median(served)
+    cpu_ratio = None  # offline CPU per token over the served side's (client + front + cores): load-robust
+    if pids:
+        cpu_ratio = statistics.median(
+            o["cpu_us_per_token"] / sum(s["cpu_us_per_token"].values())
+            for o, s in zip(offline_reps, served_reps)
+        )
     return {
         "offline_output_tokens_per_s": offline,
         "served_output_tokens_per_s": served,
         "offline_median": off,
         "served_median": srv,
         "served_over_offline": srv / off,
+        "offline_over_served_cpu_per_token": cpu_ratio,
         "concurrency": concurrency,
         "reps": reps,
         "offline_reps": offline_reps,
