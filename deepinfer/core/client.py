@@ -302,9 +302,14 @@ class EngineClient:
     def num_in_flight(self) -> int:
         return len(self._requests)
 
+    def core_stats(self) -> dict[int, m.EngineStats]:
+        """engine id (data parallel: the rank) -> that live core's last stats."""
+        return {i: c.stats for i, c in self._cores.items() if c.alive}
+
     @property
     def stats(self) -> m.EngineStats:
-        """The live cores' last stats, summed."""
+        """The live cores' last stats, summed (``kv_store`` and ``expert_tokens_per_step`` are per
+        core only: see ``core_stats``)."""
         stats = [c.stats for c in self._cores.values() if c.alive]
         if len(stats) == 1:
             return stats[0]

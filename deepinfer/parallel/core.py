@@ -8,10 +8,15 @@ socket while any rank has work; when no rank has work it waits for a message a l
 off to 20 ms) and steps again. Shutdown from the front makes every rank stop after the same
 iteration. A rank that dies makes the others' next collective fail (within ``dp_timeout_s``): their
 cores report ``CoreFailed`` and exit, and the front fails the requests and exits non-zero.
+
+Stats: a core sends its stats with its outputs, and, while the ranks compute, at least every
+``STATS_INTERVAL_S`` (a rank without requests of its own still computes for the others' tokens: its
+expert load, ``EngineStats.expert_tokens_per_step``, is what the front's per-rank metrics show).
 """
 
 from __future__ import annotations
 
+import msgspec
 import zmq
 
 from deepinfer.core import messages as m
@@ -23,6 +28,7 @@ logger = get_logger(__name__)
 
 IDLE_WAIT_MS = (1, 20)
 ORPHAN_CHECK_S = 1.0
+STATS_INTERVAL_S = 0.5
 
 
 class DataParallelCore(EngineCore):
@@ -32,11 +38,17 @@ class DataParallelCore(EngineCore):
         super().__init__(rank.engine, engine_id, address, parent_pid)
         self.rank = rank
 
+    def _stats(self) -> m.EngineStats:
+        stats = super()._stats()
+        if self.rank.recorder is None:
+            return stats
+        return msgspec.structs.replace(stats, expert_tokens_per_step=self.rank.recorder.received_per_step())
+
     def _loop(self, sock: zmq.Socket) -> None:
         import time
 
         wait_ms = IDLE_WAIT_MS[0]
-        last_check = time.monotonic()
+        last_check = last_stats = time.monotonic()
         while True:
             commands = []
             while sock.poll(0):
@@ -51,9 +63,10 @@ class DataParallelCore(EngineCore):
             if step.stop:
                 self._sent.clear()
                 return
-            if step.outputs or commands:
+            if step.outputs or commands or (step.tokens and started - last_stats > STATS_INTERVAL_S):
                 deltas = self._deltas(step.outputs, started)
                 sock.send(m.encode(m.StepOutputs(self.engine_id, [], [], deltas, self._stats())))
+                last_stats = started
             if step.tokens or step.any_work:
                 wait_ms = IDLE_WAIT_MS[0]
                 continue

@@ -47,3 +47,10 @@ class ExpertLoadRecorder:
     def last_received(self) -> int:
         """Pairs this rank's experts computed in the last closed step, all layers together."""
         return int(self.received[(self.position - 1) % len(self.received)].sum())
+
+    def received_per_step(self) -> float:
+        """Mean pairs this rank's experts computed per closed step in the window (0 before any)."""
+        closed = min(self.steps, self.window)
+        if not closed:
+            return 0.0
+        return float(self.received.sum() - self.received[self.position].sum()) / closed

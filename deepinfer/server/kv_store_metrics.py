@@ -5,6 +5,9 @@ prometheus-client. Series: ``deepinfer_kv_store_{hits,bytes_read,bytes_written,w
 expirations,corrupt_reads}_total{tier}``, ``deepinfer_kv_store_{entries,bytes}{tier}``,
 ``deepinfer_kv_store_lookup_{blocks,hit_blocks,misses}_total``,
 ``deepinfer_kv_store_saves_refused_total`` and the ``deepinfer_kv_store_load_seconds`` histogram.
+With several engine cores (data-parallel ranks), each has its own store client and counters: every
+series then carries a ``rank`` label, one sample per core (``sum by (tier)`` gives the server's total;
+a disk or shared tier's ``entries``/``bytes`` are each rank's view of one directory, so not a sum).
 """
 
 from __future__ import annotations
@@ -24,17 +27,25 @@ COUNTERS = {
 }
 
 
-def kv_store_families(snapshot: dict) -> Iterator[Metric]:
-    tiers = snapshot["tiers"]
+def kv_store_families(snapshots: dict[str | None, dict]) -> Iterator[Metric]:
+    """The store series from per-core snapshots: ``{None: snapshot}`` for one core (no ``rank``
+    label), ``{"0": snapshot, "1": ...}`` for data-parallel ranks (a ``rank`` label)."""
+    extra = [] if None in snapshots else ["rank"]
+
+    def labels(rank: str | None, *rest: str) -> list[str]:
+        return [*rest, *([] if rank is None else [rank])]
+
     for name, help_text in COUNTERS.items():
-        family = CounterMetricFamily(f"deepinfer_kv_store_{name}", help_text, labels=["tier"])
-        for tier, values in tiers.items():
-            family.add_metric([tier], values[name])
+        family = CounterMetricFamily(f"deepinfer_kv_store_{name}", help_text, labels=["tier", *extra])
+        for rank, snapshot in snapshots.items():
+            for tier, values in snapshot["tiers"].items():
+                family.add_metric(labels(rank, tier), values[name])
         yield family
     for name, help_text in (("entries", "Blocks held by the tier"), ("bytes", "Bytes held by the tier")):
-        family = GaugeMetricFamily(f"deepinfer_kv_store_{name}", help_text, labels=["tier"])
-        for tier, values in tiers.items():
-            family.add_metric([tier], values[name])
+        family = GaugeMetricFamily(f"deepinfer_kv_store_{name}", help_text, labels=["tier", *extra])
+        for rank, snapshot in snapshots.items():
+            for tier, values in snapshot["tiers"].items():
+                family.add_metric(labels(rank, tier), values[name])
         yield family
     for name, help_text in (
         ("lookup_blocks", "Blocks looked up in the store"),
@@ -42,12 +53,15 @@ def kv_store_families(snapshot: dict) -> Iterator[Metric]:
         ("misses", "Lookups that found fewer blocks than asked"),
         ("saves_refused", "Block saves dropped because every host slot was leased"),
     ):
-        yield CounterMetricFamily(f"deepinfer_kv_store_{name}", help_text, value=snapshot[name])
-    lat = snapshot["load_latency"]
-    buckets = [(str(b), c) for b, c in zip(lat["buckets"], lat["counts"])] + [("+Inf", lat["count"])]
-    yield HistogramMetricFamily(
-        "deepinfer_kv_store_load_seconds",
-        "Time to load a batch of blocks",
-        buckets=buckets,
-        sum_value=lat["sum"],
+        family = CounterMetricFamily(f"deepinfer_kv_store_{name}", help_text, labels=extra)
+        for rank, snapshot in snapshots.items():
+            family.add_metric(labels(rank), snapshot[name])
+        yield family
+    family = HistogramMetricFamily(
+        "deepinfer_kv_store_load_seconds", "Time to load a batch of blocks", labels=extra
     )
+    for rank, snapshot in snapshots.items():
+        lat = snapshot["load_latency"]
+        buckets = [(str(b), c) for b, c in zip(lat["buckets"], lat["counts"])] + [("+Inf", lat["count"])]
+        family.add_metric(labels(rank), buckets, lat["sum"])
+    yield family

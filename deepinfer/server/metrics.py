@@ -25,12 +25,19 @@ REQUEST_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 
 
 
 class _EngineCollector(Collector):
-    def __init__(self, stats: Callable[[], EngineStats], in_flight: Callable[[], int]) -> None:
+    def __init__(
+        self,
+        stats: Callable[[], EngineStats],
+        in_flight: Callable[[], int],
+        per_core: Callable[[], dict[int, EngineStats]],
+    ) -> None:
         self._stats = stats
         self._in_flight = in_flight
+        self._per_core = per_core
 
     def collect(self) -> Iterator[Metric]:
         s = self._stats()
+        cores = self._per_core()
         yield GaugeMetricFamily(
             "deepinfer_num_requests_running", "Requests in the engine's running batch", value=s.num_running
         )
@@ -75,16 +82,52 @@ class _EngineCollector(Collector):
             "Tokens emitted per request per step (accepted drafts + 1; 1 without speculation), since start",
             value=spec.mean_accepted_len,
         )
-        if s.kv_store is not None:
-            yield from kv_store_families(s.kv_store)
+        if len(cores) > 1:
+            yield from _rank_families(cores)
+        stores = {str(i): c.kv_store for i, c in cores.items() if c.kv_store is not None}
+        if len(cores) > 1 and stores:
+            yield from kv_store_families(stores)
+        elif s.kv_store is not None:
+            yield from kv_store_families({None: s.kv_store})
+
+
+def _rank_families(cores: dict[int, EngineStats]) -> Iterator[Metric]:
+    """Per data-parallel rank (engine core i is rank i): ``deepinfer_dp_rank_*{rank="i"}``."""
+    series = [
+        ("num_requests_running", "Requests in the rank's running batch", lambda c: c.num_running),
+        ("num_requests_waiting", "Requests waiting in the rank's queue", lambda c: c.num_waiting),
+        (
+            "kv_cache_usage_ratio",
+            "Share of the rank's KV-cache blocks held by requests",
+            lambda c: c.kv_cache_usage,
+        ),
+        (
+            "expert_tokens_per_step",
+            "(token, expert) pairs the rank's experts computed per step, over the EPLB window",
+            lambda c: c.expert_tokens_per_step,
+        ),
+    ]
+    for name, help_text, value in series:
+        family = GaugeMetricFamily(f"deepinfer_dp_rank_{name}", help_text, labels=["rank"])
+        for rank, core in sorted(cores.items()):
+            if value(core) is not None:
+                family.add_metric([str(rank)], value(core))
+        yield family
 
 
 class ServerMetrics:
     """The server's registry and the per-request instruments."""
 
-    def __init__(self, stats: Callable[[], EngineStats], in_flight: Callable[[], int]) -> None:
+    def __init__(
+        self,
+        stats: Callable[[], EngineStats],
+        in_flight: Callable[[], int],
+        per_core: Callable[[], dict[int, EngineStats]] = dict,
+    ) -> None:
+        """``stats``: the cores' stats summed; ``per_core``: each core's (data-parallel ranks get
+        per-rank series when there are several)."""
         self.registry = CollectorRegistry()
-        self.registry.register(_EngineCollector(stats, in_flight))
+        self.registry.register(_EngineCollector(stats, in_flight, per_core))
         r = self.registry
         self.ttft = Histogram(
             "deepinfer_time_to_first_token_seconds",

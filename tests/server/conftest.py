@@ -180,7 +180,16 @@ def start_server(
         server_config.max_queued_requests,
         request_timeout_s=server_config.request_timeout_s,
     )
-    app = build_app(client, server_config, llm_engine.tokenizer)
+    for app, url in serve_http(client, server_config, llm_engine.tokenizer):
+        yield ServerHandle(url, llm_engine, runner, app, server_config)
+
+
+def serve_http(
+    client: EngineClient, server_config: ServerConfig, tokenizer, start_timeout: float = 30.0
+) -> Iterator[tuple[object, str]]:
+    """Run the API front over ``client`` (``deepinfer serve``'s code) on a free loopback port in a
+    thread; yields ``(app, url)`` once it accepts requests (its cores started), stops it on exit."""
+    app = build_app(client, server_config, tokenizer)
     uv_config = uvicorn.Config(
         app,
         log_level="warning",
@@ -195,13 +204,13 @@ def start_server(
         target=asyncio.run, args=(run(server, client, [sock]),), name="server-test", daemon=True
     )
     thread.start()
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + start_timeout
     while not server.started:
         if not thread.is_alive() or time.monotonic() > deadline:
             raise RuntimeError("the test server did not start")
         time.sleep(0.01)
     try:
-        yield ServerHandle(f"http://127.0.0.1:{port}", llm_engine, runner, app, server_config)
+        yield app, f"http://127.0.0.1:{port}"
     finally:
         server.should_exit = True
         thread.join(timeout=30)
