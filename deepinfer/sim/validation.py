@@ -157,46 +157,46 @@ def fit_overheads(
     return scale, delay
 
 
-def run_trace(model_dir: str, spec: TraceSpec, settings: ServerSettings, stream: list[int]) -> dict:
+def run_trace(
+    model_dir: str, spec: TraceSpec, settings: ServerSettings, stream: list[int], cache_dir: Path
+) -> dict:
     """One trace through a fresh ``deepinfer serve`` whose start-up calibration (a profiling sweep of
     step shapes in that process) runs right before the trace, in the same conditions. Returns the
     prompts, the measured figures, that server's cost model, the engine's busy seconds during the
-    trace (``GET /load``) and the host's load average before and after."""
+    trace (``GET /load``) and the host's load average before and after. ``cache_dir`` is the
+    server's cache folder: its stored cost models are removed first (so that the server calibrates),
+    its compiled kernels kept."""
     import httpx
 
     from deepinfer.bench.serve import launch, run_load
     from deepinfer.worker import calibration as engine_calibration
 
     prompts = build_prompts(stream, spec)
-    cache_dir = tempfile.mkdtemp(prefix="deepinfer-simval-")
-    # A fresh cache folder: the calibration is this server's, not a stored one. One engine thread:
-    # steadier on a shared host.
-    server_env = {"DEEPINFER_CACHE_DIR": cache_dir, "DEEPINFER_NUM_THREADS": "1"}
-    try:
-        with _environ(server_env):
-            load_before = os.getloadavg()
-            with launch(model_dir, settings.args()) as url:
-                before = httpx.get(f"{url}/metrics").text
-                busy_before = httpx.get(f"{url}/load").json()["engine"]["busy_s"]
-                real = asyncio.run(
-                    run_load(
-                        url,
-                        Path(model_dir).name,
-                        prompts,
-                        spec.output_len,
-                        spec.request_rate,
-                        600.0,
-                        spec.seed,
-                    )
+    shutil.rmtree(cache_dir / "cost_models", ignore_errors=True)
+    # One engine thread: steadier on a shared host.
+    server_env = {"DEEPINFER_CACHE_DIR": str(cache_dir), "DEEPINFER_NUM_THREADS": "1"}
+    with _environ(server_env):
+        load_before = os.getloadavg()
+        with launch(model_dir, settings.args()) as url:
+            before = httpx.get(f"{url}/metrics").text
+            busy_before = httpx.get(f"{url}/load").json()["engine"]["busy_s"]
+            real = asyncio.run(
+                run_load(
+                    url,
+                    Path(model_dir).name,
+                    prompts,
+                    spec.output_len,
+                    spec.request_rate,
+                    600.0,
+                    spec.seed,
                 )
-                busy = httpx.get(f"{url}/load").json()["engine"]["busy_s"] - busy_before
-                after = httpx.get(f"{url}/metrics").text
-            path = engine_calibration.cache_path("cpu", "cpu", Path(model_dir), "float32")
-            if not path.is_file():
-                raise RuntimeError(f"the server left no calibrated cost model at {path}")
-            model = StepCostModel.load(path)
-    finally:
-        shutil.rmtree(cache_dir, ignore_errors=True)
+            )
+            busy = httpx.get(f"{url}/load").json()["engine"]["busy_s"] - busy_before
+            after = httpx.get(f"{url}/metrics").text
+        path = engine_calibration.cache_path("cpu", "cpu", Path(model_dir), "float32")
+        if not path.is_file():
+            raise RuntimeError(f"the server left no calibrated cost model at {path}")
+        model = StepCostModel.load(path)
     queries, hits = (b - a for a, b in zip(_prefix_counters(before), _prefix_counters(after)))
     real["prefix_cache_hit_rate"] = hits / max(1, queries)
     return {"prompts": prompts, "real": real, "model": model, "busy_s": busy,
@@ -219,8 +219,12 @@ def run_validation(
     layers = config["num_hidden_layers"] + config.get("num_nextn_predict_layers", 0)  # MTP layers cache too
     bytes_per_block = BLOCK_SIZE * (config["kv_lora_rank"] + config["qk_rope_head_dim"]) * 4 * layers
     num_blocks = int(settings.kv_cache_memory_gib * (1 << 30)) // bytes_per_block
-    runs = {name: (spec, run_trace(model_dir, spec, settings, stream))
-            for name, spec in (("calibration", calibration), ("validation", validation))}  # fmt: skip
+    cache_dir = Path(tempfile.mkdtemp(prefix="deepinfer-simval-"))
+    try:
+        runs = {name: (spec, run_trace(model_dir, spec, settings, stream, cache_dir))
+                for name, spec in (("calibration", calibration), ("validation", validation))}  # fmt: skip
+    finally:
+        shutil.rmtree(cache_dir, ignore_errors=True)
     spec, cal = runs["calibration"]
     scale, delay = fit_overheads(
         cal["prompts"], spec, settings, cal["model"], num_blocks, BLOCK_SIZE, cal["real"]
