@@ -174,7 +174,8 @@ def _two_hundred_with_failures(c: Cluster) -> None:
 def _decode_killed_under_load(c: Cluster) -> None:
     d1, _ = c.workers_of("decode")
     pid = c.workers[d1]["pid"]
-    retries = c.metric("deepinfer_router_retries_total")
+    seen = ("deepinfer_router_retries_total", 'deepinfer_router_failures_total{kind="connect"}')
+    before = [c.metric(m) for m in seen]
     with ThreadPoolExecutor(12) as pool:
         futures = [pool.submit(stream, c.url, 300 + i, 64) for i in range(6)]
         c.wait_for(
@@ -194,4 +195,7 @@ def _decode_killed_under_load(c: Cluster) -> None:
         if not errored(events):
             assert has_output(events) and events[-1] == "[DONE]"
     assert c.metric('deepinfer_router_failures_total{kind="mid_stream"}') >= len(broken)
-    assert c.metric("deepinfer_router_retries_total") > retries
+    # whether a request that streamed nothing met the dead worker (and was retried) depends on where
+    # the router sent the late ones; each that did is counted, and completed (asserted above)
+    after = [c.metric(m) for m in seen]
+    assert after[0] - before[0] >= after[1] - before[1]
