@@ -2,6 +2,7 @@
 and offline throughput with the store on (every lookup missing) against the store off.
 
     .venv/bin/python bench/kv_store.py [--prompt-len 8000] [--reps 3] [--out bench/results/kv_store.json]
+    .venv/bin/python bench/kv_store.py --skip-ttft --reps 5 --out bench/results/kv_store_overhead.json
 
 TTFT, per rep in this order (so the three alternate): cold (prefix caching off, the same prompt),
 disk (a fresh engine on the store path: device and host empty; the prompt's files are dropped from the
@@ -19,6 +20,7 @@ import argparse
 import json
 import os
 import random
+import resource
 import statistics
 import tempfile
 import time
@@ -97,26 +99,64 @@ def bench_ttft(prompt_len: int, reps: int, root: Path) -> dict:
     }
 
 
-def bench_throughput(reps: int, root: Path) -> dict:
-    workload = Workload()
-    results = {"off": [], "on_all_miss": []}
+def _cpu_seconds() -> float:
+    """This process's user + system CPU time, every thread (the store's writer and readers too)."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def bench_throughput(reps: int, root: Path, num_requests: int) -> dict:
+    """Offline throughput, store off and store on (a new empty directory each run, so every lookup
+    misses and every full block is saved and written behind), alternated A B A B; medians. Each rep
+    records its wall time (a rep under 10 s is too short to trust on a noisy machine: raise
+    ``--num-requests``), the load average around it and the process's CPU time (every thread, the
+    store's writer included): CPU seconds per output token is the overhead's second, less
+    load-sensitive measure."""
+    workload = Workload(num_requests=num_requests)
+    results: dict[str, list[float]] = {"off": [], "on_all_miss": []}
+    cpu: dict[str, list[float]] = {"off": [], "on_all_miss": []}  # process CPU s per output token
+    reps_log = []
+    env = None
     for rep in range(reps):
         for side in ("off", "on_all_miss"):
             store = KVStoreConfig(path=str(root / f"miss-{rep}")) if side == "on_all_miss" else None
             llm = LLM(kv_store=store)
+            env = env or environment(llm.engine)
+            load_before = os.getloadavg()[0]
+            cpu_before = _cpu_seconds()
             r = run_offline(llm, workload)
+            cpu_s = _cpu_seconds() - cpu_before
             if store is not None:
-                hits = llm.engine.kv_store_stats()["hit_blocks"]
-                assert hits == 0, f"expected every lookup to miss, {hits} blocks hit"
+                stats = llm.engine.kv_store_stats()
+                assert stats["hit_blocks"] == 0, f"expected every lookup to miss, {stats['hit_blocks']} hit"
+                assert stats["misses"] > 0, "the store saw no lookup"
                 llm.engine.kv_connector.close()
             results[side].append(r["output_tokens_per_s"])
+            cpu[side].append(cpu_s / r["output_tokens"])
+            reps_log.append(
+                {
+                    "rep": rep,
+                    "side": side,
+                    "wall_s": r["wall_s"],
+                    "output_tokens_per_s": r["output_tokens_per_s"],
+                    "cpu_s": cpu_s,
+                    "load_1m_before": load_before,
+                    "load_1m_after": os.getloadavg()[0],
+                }
+            )
+            print(json.dumps(reps_log[-1]), flush=True)
             del llm
     med = {k: statistics.median(v) for k, v in results.items()}
     return {
         "output_tokens_per_s": results,
         "median_output_tokens_per_s": med,
         "ratio_on_over_off": med["on_all_miss"] / med["off"],
+        "cpu_s_per_output_token": cpu,
+        "cpu_ratio_on_over_off": statistics.median(cpu["on_all_miss"]) / statistics.median(cpu["off"]),
+        "min_rep_wall_s": min(r["wall_s"] for r in reps_log),
+        "reps": reps_log,
         "workload": workload.describe(),
+        "env": env,
     }
 
 
@@ -164,23 +204,27 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=8000)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--skip-throughput", action="store_true")
+    ap.add_argument("--skip-ttft", action="store_true", help="only the store-off vs all-miss throughput")
+    ap.add_argument("--num-requests", type=int, default=128, help="requests per throughput rep")
     ap.add_argument("--swa", action="store_true")
     ap.add_argument("--out", default="bench/results/kv_store.json")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="kvstore-bench-", dir=os.environ.get("TMPDIR")) as tmp:
         root = Path(tmp)
         t0 = time.perf_counter()
-        result = {"ttft": bench_ttft(args.prompt_len, args.reps, root)}
-        print(
-            json.dumps(
-                {
-                    k: result["ttft"][k]
-                    for k in ("median_ttft_s", "speedup_disk_vs_cold", "speedup_host_vs_cold")
-                }
+        result: dict = {}
+        if not args.skip_ttft:
+            result["ttft"] = bench_ttft(args.prompt_len, args.reps, root)
+            print(
+                json.dumps(
+                    {
+                        k: result["ttft"][k]
+                        for k in ("median_ttft_s", "speedup_disk_vs_cold", "speedup_host_vs_cold")
+                    }
+                )
             )
-        )
         if not args.skip_throughput:
-            result["throughput"] = bench_throughput(args.reps, root)
+            result["throughput"] = bench_throughput(args.reps, root, args.num_requests)
             print(
                 json.dumps(
                     {k: result["throughput"][k] for k in ("median_output_tokens_per_s", "ratio_on_over_off")}
