@@ -24,6 +24,7 @@ import resource
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from deepinfer import LLM, SamplingParams
@@ -105,13 +106,14 @@ def _cpu_seconds() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def bench_throughput(reps: int, root: Path, num_requests: int) -> dict:
+def bench_throughput(reps: int, root: Path, num_requests: int, after_pair: Callable[[dict], None]) -> dict:
     """Offline throughput, store off and store on (a new empty directory each run, so every lookup
     misses and every full block is saved and written behind), alternated A B A B; medians. Each rep
     records its wall time (a rep under 10 s is too short to trust on a noisy machine: raise
     ``--num-requests``), the load average around it and the process's CPU time (every thread, the
     store's writer included): CPU seconds per output token is the overhead's second, less
-    load-sensitive measure."""
+    load-sensitive measure. ``after_pair`` gets the summary so far after each off/on pair (the caller
+    saves it, so a run cut short still leaves its completed pairs)."""
     workload = Workload(num_requests=num_requests)
     results: dict[str, list[float]] = {"off": [], "on_all_miss": []}
     cpu: dict[str, list[float]] = {"off": [], "on_all_miss": []}  # process CPU s per output token
@@ -146,8 +148,14 @@ def bench_throughput(reps: int, root: Path, num_requests: int) -> dict:
             )
             print(json.dumps(reps_log[-1]), flush=True)
             del llm
+        after_pair(_summary(results, cpu, reps_log, workload, env))
+    return _summary(results, cpu, reps_log, workload, env)
+
+
+def _summary(results: dict, cpu: dict, reps_log: list, workload: Workload, env: dict | None) -> dict:
     med = {k: statistics.median(v) for k, v in results.items()}
     return {
+        "pairs": len(results["off"]),
         "output_tokens_per_s": results,
         "median_output_tokens_per_s": med,
         "ratio_on_over_off": med["on_all_miss"] / med["off"],
@@ -224,7 +232,11 @@ def main() -> None:
                 )
             )
         if not args.skip_throughput:
-            result["throughput"] = bench_throughput(args.reps, root, args.num_requests)
+
+            def save_partial(summary: dict) -> None:
+                Path(args.out).write_text(json.dumps({**result, "throughput": summary}, indent=1) + "\n")
+
+            result["throughput"] = bench_throughput(args.reps, root, args.num_requests, save_partial)
             print(
                 json.dumps(
                     {k: result["throughput"][k] for k in ("median_output_tokens_per_s", "ratio_on_over_off")}
