@@ -161,6 +161,35 @@ def mla_prefill(
     )
 
 
+@portable
+def mla_prefill_partial(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    cu_seqlens_q: Tensor,
+    cu_seqlens_k: Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    scale: float,
+    causal: bool,
+) -> tuple[Tensor, Tensor]:
+    """Expanded MLA attention of prefill queries over ONE PIECE of their keys, with the log-sum-exp
+    that merges pieces (a chunk over a long cached context is computed tile by tile, so its workspace
+    does not grow with the context).
+
+    Shapes as ``mla_prefill``: q [Tq, H, Dn + R], k [Tk, H, Dn + R], v [Tk, H, Dv], cu_seqlens_q /
+    cu_seqlens_k [B+1] int32. ``causal=True``: the keys end at the queries, masked as ``mla_prefill``
+    without a window (query ``i`` of ``len_q`` attends keys ``j <= len_k - len_q + i``; ``len_k >=
+    len_q``). ``causal=False``: the keys all precede the queries, and every query attends every key of
+    its request; a request may have no keys (``len_k = 0``). Softmax in float32 with ``scale``.
+    Returns new float32 tensors ``(out [Tq, H, Dv], lse [Tq, H])`` with ``lse = log(sum_j exp(scale *
+    q.k_j))`` over the attended keys; a query with no keys gets ``out = 0`` and ``lse = -inf``.
+    """
+    return active_ops().mla_prefill_partial(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal
+    )
+
+
 def mla_decode(
     q_nope: Tensor,
     q_pe: Tensor,

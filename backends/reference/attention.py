@@ -58,6 +58,57 @@ def mla_prefill(
     return out
 
 
+# Queries per score block of ``mla_prefill_partial``: scores are [H, QUERY_BLOCK, len_k] float32.
+QUERY_BLOCK = 128
+
+
+@OPS.implement
+def mla_prefill_partial(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    cu_seqlens_q: Tensor,
+    cu_seqlens_k: Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    scale: float,
+    causal: bool,
+) -> tuple[Tensor, Tensor]:
+    tokens, heads = q.shape[0], q.shape[1]
+    out = torch.zeros(tokens, heads, v.shape[-1], dtype=torch.float32, device=q.device)
+    lse = torch.full((tokens, heads), float("-inf"), dtype=torch.float32, device=q.device)
+    starts_q = cu_seqlens_q.tolist()
+    starts_k = cu_seqlens_k.tolist()
+    for b in range(len(starts_q) - 1):
+        q0, q1, k0, k1 = starts_q[b], starts_q[b + 1], starts_k[b], starts_k[b + 1]
+        len_q, len_k = q1 - q0, k1 - k0
+        if len_q == 0 or len_k == 0:
+            continue
+        if causal and len_k < len_q:
+            raise ValueError(f"mla_prefill_partial: causal request {b} has {len_k} keys < {len_q} queries")
+        kb = k[k0:k1].transpose(0, 1).float()  # [H, len_k, D]
+        vb = v[k0:k1].transpose(0, 1).float()
+        for s in range(0, len_q, QUERY_BLOCK):
+            e = min(s + QUERY_BLOCK, len_q)
+            scores = torch.matmul(q[q0 + s : q0 + e].transpose(0, 1).float(), kb.transpose(1, 2)) * scale
+            if causal:
+                query_pos = torch.arange(len_k - len_q + s, len_k - len_q + e, device=q.device)
+                mask = _allowed(query_pos, torch.arange(len_k, device=q.device), len_k, None)
+                scores.masked_fill_(~mask, float("-inf"))
+            block_lse = torch.logsumexp(scores, dim=-1)  # [H, n], finite: every query sees a key
+            probs = torch.exp(scores - block_lse[..., None])
+            out[q0 + s : q0 + e] = torch.matmul(probs, vb).transpose(0, 1)
+            lse[q0 + s : q0 + e] = block_lse.transpose(0, 1)
+    return out, lse
+
+
+OPS.declare_invariant(
+    ["mla_prefill_partial"],
+    "one computation per request and query block, so batch mates never share its arithmetic; NOT "
+    "invariant to how the context is tiled (deterministic mode runs every token through mla_decode)",
+)
+
+
 @OPS.implement
 def mla_decode(
     q_nope: Tensor,

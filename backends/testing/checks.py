@@ -1,5 +1,6 @@
 """One check per interface op: run the backend under test and the float32 CPU reference on the same
-seeded inputs and compare. Each check raises AssertionError with the op, the case and the error.
+seeded inputs and compare row by row, with uninitialised memory NaN-filled (see ``harness``). Each
+check raises AssertionError with the op, the case and the error.
 
 Checks take the op table explicitly, so they also run against deliberately broken tables (the tests
 prove the suite catches wrong kernels).
@@ -18,6 +19,7 @@ from deepinfer.backends.testing.harness import (
     MoEShape,
     assert_close,
     generator,
+    nan_filled_memory,
     poison_device_memory,
     randn,
     reference_ops,
@@ -33,6 +35,7 @@ def _rounded(x: Tensor, dtype: torch.dtype) -> Tensor:
     return x.to(dtype).float()
 
 
+@nan_filled_memory()
 def check_rms_norm(ops: OpTable, device: torch.device, dtype: torch.dtype, hidden: int, case: str) -> None:
     gen = generator(case)
     x, w = randn(gen, 7, hidden), 1 + randn(gen, hidden, scale=0.1)
@@ -51,6 +54,7 @@ def check_rms_norm(ops: OpTable, device: torch.device, dtype: torch.dtype, hidde
     assert_close(f"add_rms_norm.norm[{case}]", normed, ref_normed, dtype)
 
 
+@nan_filled_memory()
 def check_silu_and_mul(ops: OpTable, device: torch.device, dtype: torch.dtype, width: int, case: str) -> None:
     x = randn(generator(case), 9, 2 * width)
     poison_device_memory(device)
@@ -64,6 +68,7 @@ def cos_sin_table(rope_dim: int, max_pos: int, base: float = 10000.0) -> Tensor:
     return torch.cat((angles.cos(), angles.sin()), dim=-1)
 
 
+@nan_filled_memory()
 def check_rope(
     ops: OpTable, device: torch.device, dtype: torch.dtype, shape: MLAShape, interleaved: bool, case: str
 ) -> None:
@@ -127,6 +132,7 @@ class PagedBatch:
         )
 
 
+@nan_filled_memory()
 def check_kv_cache(
     ops: OpTable, device: torch.device, dtype: torch.dtype, shape: MLAShape, case: str
 ) -> None:
@@ -145,6 +151,7 @@ def check_kv_cache(
     assert_close(f"kv_cache.rope[{case}]", k_pe, _rounded(batch.rope[order], dtype), dtype)
 
 
+@nan_filled_memory()
 def check_mla_prefill(
     ops: OpTable, device: torch.device, dtype: torch.dtype, shape: MLAShape, window: int | None, case: str
 ) -> None:
@@ -183,6 +190,45 @@ def check_mla_prefill(
     assert_close(f"mla_prefill[{case}]", out, ref, dtype)
 
 
+@nan_filled_memory()
+def check_mla_prefill_partial(
+    ops: OpTable, device: torch.device, dtype: torch.dtype, shape: MLAShape, causal: bool, case: str
+) -> None:
+    """Both outputs (attention and log-sum-exp); without causality, one request has no keys (its rows
+    must come back as 0 and -inf)."""
+    gen = generator(case)
+    q_lens = [6, 3, 1, 17]
+    k_lens = [6, 11, 4, 17] if causal else [5, 0, 9, 2]
+    cu_q = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    cu_k = torch.tensor([0, *torch.tensor(k_lens).cumsum(0).tolist()], dtype=torch.int32)
+    width = shape.nope + shape.rope
+    q = randn(gen, sum(q_lens), shape.heads, width)
+    k = randn(gen, sum(k_lens), shape.heads, width)
+    v = randn(gen, sum(k_lens), shape.heads, shape.v)
+    scale = width**-0.5
+    args = (max(q_lens), max(k_lens), scale, causal)
+    poison_device_memory(device)
+    out, lse = ops.mla_prefill_partial(
+        _on(q, device, dtype), _on(k, device, dtype), _on(v, device, dtype), _on(cu_q, device),
+        _on(cu_k, device), *args,
+    )  # fmt: skip
+    ref, ref_lse = reference_ops().mla_prefill_partial(
+        _rounded(q, dtype), _rounded(k, dtype), _rounded(v, dtype), cu_q, cu_k, *args
+    )
+    for name, got in (("out", out), ("lse", lse)):
+        if got.dtype != torch.float32:
+            raise AssertionError(f"mla_prefill_partial.{name}[{case}]: {got.dtype}, expected torch.float32")
+    empty = ref_lse == float("-inf")
+    lse = lse.cpu()
+    if not torch.equal(lse == float("-inf"), empty):
+        raise AssertionError(f"mla_prefill_partial.lse[{case}]: -inf exactly where a query has no keys")
+    if not bool((out.cpu()[empty] == 0).all()):
+        raise AssertionError(f"mla_prefill_partial.out[{case}]: rows of queries without keys must be 0")
+    seen = ~empty.all(dim=1)
+    assert_close(f"mla_prefill_partial.out[{case}]", out.cpu()[seen], ref[seen], dtype)
+    assert_close(f"mla_prefill_partial.lse[{case}]", lse[seen], ref_lse[seen], dtype)
+
+
 def _contiguous_reference_cache(
     shape: MLAShape, dtype: torch.dtype, seq_lens: list[int], batch: PagedBatch
 ) -> tuple[tuple[Tensor, ...], Tensor]:
@@ -206,6 +252,7 @@ def _contiguous_reference_cache(
     return cache, table
 
 
+@nan_filled_memory()
 def check_mla_decode(
     ops: OpTable,
     device: torch.device,
@@ -264,6 +311,7 @@ def _sorted_routing(weights: Tensor, ids: Tensor) -> tuple[Tensor, Tensor]:
     return weights.float().cpu().gather(1, order), ids
 
 
+@nan_filled_memory()
 def check_moe_route(
     ops: OpTable,
     device: torch.device,
@@ -287,6 +335,7 @@ def check_moe_route(
     assert_close(f"moe_route.weights[{case}]", weights, ref_w, torch.float32)
 
 
+@nan_filled_memory()
 def check_grouped_gemm(
     ops: OpTable, device: torch.device, dtype: torch.dtype, shape: MoEShape, case: str
 ) -> None:
@@ -308,6 +357,7 @@ def random_routing(gen: torch.Generator, tokens: int, experts: int, top_k: int) 
     return weights, ids.to(torch.int32)
 
 
+@nan_filled_memory()
 def check_fused_moe(
     ops: OpTable, device: torch.device, dtype: torch.dtype, shape: MoEShape, with_remote: bool, case: str
 ) -> None:
@@ -334,6 +384,7 @@ def check_fused_moe(
     assert_close(f"fused_moe[{case}]", out, ref, dtype)
 
 
+@nan_filled_memory()
 def check_ep_single_rank(
     ops: OpTable, device: torch.device, dtype: torch.dtype, shape: MoEShape, case: str
 ) -> None:
@@ -351,6 +402,7 @@ def check_ep_single_rank(
     assert_close(f"ep_dispatch+combine[{case}]", out, expected, dtype)
 
 
+@nan_filled_memory()
 def check_sample(ops: OpTable, device: torch.device, case: str) -> None:
     gen = generator(case)
     rows, vocab = 16, 1000
@@ -371,6 +423,7 @@ def check_sample(ops: OpTable, device: torch.device, case: str) -> None:
         raise AssertionError(f"sample[{case}]: rows {mismatched} drew different tokens than the reference")
 
 
+@nan_filled_memory()
 def check_apply_token_bitmask(ops: OpTable, device: torch.device, case: str) -> None:
     gen = generator(case)
     rows, vocab = 5, 1000  # not a multiple of 32: the last word is partial
@@ -392,6 +445,7 @@ def check_apply_token_bitmask(ops: OpTable, device: torch.device, case: str) -> 
         raise AssertionError(f"apply_token_bitmask[{case}]: {wrong} logits differ from the mask")
 
 
+@nan_filled_memory()
 def check_linear(
     ops: OpTable, device: torch.device, dtype: torch.dtype, k: int, n: int, heads: int, case: str
 ) -> None:

@@ -1,12 +1,18 @@
 """Conformance harness: the backend under test, shapes, tolerances, seeded inputs, comparison.
 
 The oracle is always the reference backend in float32 on the CPU, fed the same (dtype-rounded) inputs
-as the backend under test. Errors are relative Frobenius norms ``||out - ref|| / ||ref||``.
+as the backend under test. Outputs are compared row by row: the error of a check is the largest
+relative error ``||out_row - ref_row|| / ||ref_row||`` of any row (a row: one vector along the last
+dimension), so one wrong row among thousands fails as surely as a wrong tensor. Every check runs with
+uninitialised memory filled with NaN (``nan_filled_memory``), so an output element a kernel forgets to
+write shows up as NaN on every platform.
 """
 
 from __future__ import annotations
 
 import zlib
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -105,32 +111,70 @@ def randn(gen: torch.Generator, *shape: int, scale: float = 1.0) -> Tensor:
     return torch.randn(*shape, generator=gen) * scale
 
 
+@contextmanager
+def nan_filled_memory() -> Iterator[None]:
+    """Within the block, memory torch allocates without initialising (``torch.empty``, ``new_empty``,
+    ``empty_like`` and the ``at::empty`` of native kernels) comes filled with NaN (integers: their
+    maximum), on the CPU as on CUDA: torch's ``fill_uninitialized_memory`` under deterministic
+    algorithms, in warn-only mode so that no op refuses to run. Restores the previous settings."""
+    saved = (
+        torch.are_deterministic_algorithms_enabled(),
+        torch.is_deterministic_algorithms_warn_only_enabled(),
+        torch.utils.deterministic.fill_uninitialized_memory,
+    )
+    if not saved[0]:
+        torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.utils.deterministic.fill_uninitialized_memory = True
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(saved[0], warn_only=saved[1])
+        torch.utils.deterministic.fill_uninitialized_memory = saved[2]
+
+
 def poison_device_memory(device: torch.device, nbytes: int = 64 << 20) -> None:
-    """Fill freed device memory with NaN so that an output element a kernel forgets to write shows
-    up as NaN (caching allocators hand the same memory back). A no-op on the CPU, where large
-    allocations come back zeroed from the OS and the reference backend is the one under test."""
+    """Fill freed device memory with NaN, for kernels whose outputs come from a device allocator that
+    ``nan_filled_memory`` does not reach (a vendor's own caching allocator hands the same memory back).
+    A no-op on the CPU, where ``nan_filled_memory`` covers every allocation."""
     if device.type == "cpu":
         return
     junk = torch.full((nbytes // 4,), float("nan"), device=device)
     del junk
 
 
-def rel_error(out: Tensor, ref: Tensor) -> float:
-    out = out.detach().float().cpu()
-    ref = ref.detach().float().cpu()
-    denom = ref.norm().item()
-    diff = (out - ref).norm().item()
-    return diff / denom if denom > 0 else diff
+# A reference row this much smaller than the tensor's typical row is compared on the typical row's
+# scale (its relative error would be rounding noise over a near-zero norm).
+ROW_NORM_FLOOR = 1e-3
+
+
+def max_row_error(out: Tensor, ref: Tensor) -> float:
+    """The largest ``||out_row - ref_row|| / ||ref_row||`` over the rows (vectors along the last
+    dimension; a 0-d or 1-d tensor is one row), with ``||ref_row||`` floored at ``ROW_NORM_FLOOR``
+    times the root-mean-square row norm. Infinite when ``out`` has a non-finite element."""
+    out = out.detach().float().cpu().reshape(-1, out.shape[-1] if out.dim() else 1)
+    ref = ref.detach().float().cpu().reshape(-1, ref.shape[-1] if ref.dim() else 1)
+    if not bool(torch.isfinite(out).all()):
+        return float("inf")
+    norms = ref.norm(dim=-1)
+    typical = float(norms.square().mean().sqrt())
+    floor = max(ROW_NORM_FLOOR * typical, 1e-30)
+    return float(((out - ref).norm(dim=-1) / norms.clamp_min(floor)).max())
 
 
 def assert_close(name: str, out: Tensor, ref: Tensor, dtype: torch.dtype) -> None:
-    """Fail with a clear message unless ``out`` matches ``ref`` within the dtype's tolerance."""
+    """Fail with a clear message unless every row of ``out`` matches ``ref`` within the dtype's
+    tolerance (``max_row_error``)."""
     if tuple(out.shape) != tuple(ref.shape):
         raise AssertionError(f"{name}: shape {tuple(out.shape)} != reference {tuple(ref.shape)}")
     finite = torch.isfinite(out.detach().float().cpu())
     if not bool(finite.all()):
         raise AssertionError(f"{name}: {int((~finite).sum())} non-finite elements (unwritten or overflow)")
-    err = rel_error(out, ref)
+    if out.numel() == 0:
+        return
+    err = max_row_error(out, ref)
     tol = TOLERANCE[dtype]
     if not err < tol:
-        raise AssertionError(f"{name}: relative error {err:.3e} exceeds {tol:.0e} for {dtype}")
+        rows = out.reshape(-1, out.shape[-1] if out.dim() else 1).shape[0]
+        raise AssertionError(
+            f"{name}: relative error {err:.3e} of its worst row (of {rows}) exceeds {tol:.0e} for {dtype}"
+        )

@@ -2,7 +2,7 @@
 and inside larger, different batches (the declaration ``OpTable.invariance`` makes, checked).
 
 A "row" is a token for the row-wise ops, a (token, expert) group member for ``grouped_gemm``, a request
-for ``mla_prefill``, and a query token for ``mla_decode``, which must also give a query token the same
+for ``mla_prefill`` and ``mla_prefill_partial``, and a query token for ``mla_decode``, which must also give a query token the same
 bits computed alone (decode) or among its request's other new tokens (a prompt chunk, a speculative
 verification). Each check computes the needle alone, then among 1, 7 and 31 random batch mates at a
 random position, and compares bit for bit; it also compares the deterministic formulation with the
@@ -323,7 +323,8 @@ def check_attention(
             randn(gen, k_len, shape.heads, shape.v),
         )
 
-    def prefill(parts: list[tuple[Tensor, Tensor, Tensor]]) -> Tensor:
+    def prefill(parts: list[tuple[Tensor, Tensor, Tensor]], causal: bool | None) -> tuple[Tensor, ...]:
+        """mla_prefill (causal None) or mla_prefill_partial(causal) over the parts, as a tuple."""
         cu_q = torch.tensor(
             [0, *torch.tensor([p[0].shape[0] for p in parts]).cumsum(0).tolist()], dtype=torch.int32
         )
@@ -331,22 +332,27 @@ def check_attention(
             [0, *torch.tensor([p[1].shape[0] for p in parts]).cumsum(0).tolist()], dtype=torch.int32
         )
         q, k, v = (torch.cat([p[i] for p in parts]).to(device, dtype) for i in range(3))
-        return ops.mla_prefill(
-            q, k, v, cu_q.to(device), cu_k.to(device), max(p[0].shape[0] for p in parts),
-            max(p[1].shape[0] for p in parts), width**-0.5, window,
-        )  # fmt: skip
+        lens = (max(p[0].shape[0] for p in parts), max(p[1].shape[0] for p in parts))
+        if causal is None:
+            return (ops.mla_prefill(q, k, v, cu_q.to(device), cu_k.to(device), *lens, width**-0.5, window),)
+        return ops.mla_prefill_partial(q, k, v, cu_q.to(device), cu_k.to(device), *lens, width**-0.5, causal)
 
     needle = prefill_rows(9, 30)
-    alone = prefill([needle])
-    for count in (1, 7):
-        others = [
-            prefill_rows(int(q), int(q) + int(c))
-            for q, c in zip(
-                torch.randint(1, 20, (count,), generator=gen), torch.randint(0, 20, (count,), generator=gen)
-            )
-        ]
-        pos = int(torch.randint(0, count + 1, (1,), generator=gen))
-        parts = [*others[:pos], needle, *others[pos:]]
-        out = prefill(parts)
-        start = sum(p[0].shape[0] for p in parts[:pos])
-        _bits_equal("mla_prefill", alone, out[start : start + 9], f"{count} other requests, needle at {pos}")
+    # mla_prefill_partial has no window: checked once, in the window=None case.
+    for causal in (None,) if window is not None else (None, True, False):
+        name = "mla_prefill" if causal is None else f"mla_prefill_partial(causal={causal})"
+        alone = prefill([needle], causal)
+        for count in (1, 7):
+            others = [
+                prefill_rows(int(q), int(q) + int(c))
+                for q, c in zip(
+                    torch.randint(1, 20, (count,), generator=gen),
+                    torch.randint(0, 20, (count,), generator=gen),
+                )
+            ]
+            pos = int(torch.randint(0, count + 1, (1,), generator=gen))
+            parts = [*others[:pos], needle, *others[pos:]]
+            out = prefill(parts, causal)
+            start = sum(p[0].shape[0] for p in parts[:pos])
+            for a, b in zip(alone, out):
+                _bits_equal(name, a, b[start : start + 9], f"{count} other requests, needle at {pos}")

@@ -75,6 +75,14 @@ def test_mla_prefill(target: Target, dtype: str, window, shape) -> None:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "context"])
+@pytest.mark.parametrize("shape", MLA_SHAPES, ids=lambda s: s.name)
+def test_mla_prefill_partial(target: Target, dtype: str, causal: bool, shape) -> None:
+    case = f"prefill-partial-{shape.name}-{causal}-{dtype}"
+    checks.check_mla_prefill_partial(target.ops, target.device, _dtype(target, dtype), shape, causal, case)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("window", [None, 24])
 @pytest.mark.parametrize("query_lens", [[1, 1, 1, 1], [1, 3, 2, 4]], ids=["decode", "multi-query"])
 @pytest.mark.parametrize("shape", MLA_SHAPES, ids=lambda s: s.name)
@@ -136,7 +144,7 @@ def test_every_interface_op_is_covered() -> None:
 
     covered = {
         "rms_norm", "add_rms_norm", "silu_and_mul", "rope", "kv_cache_spec", "kv_cache_write",
-        "kv_cache_gather", "mla_prefill", "mla_decode", "moe_route", "grouped_gemm", "fused_moe",
+        "kv_cache_gather", "mla_prefill", "mla_prefill_partial", "mla_decode", "moe_route", "grouped_gemm", "fused_moe",
         "ep_dispatch", "ep_combine", "sample", "apply_token_bitmask", "linear",
     }  # fmt: skip
     assert set(interface_ops()) == covered

@@ -85,6 +85,8 @@ class EngineCore:
             node_role=e.platform.node_role.value,
             kv_layout=kv_layout_fingerprint(e),
             cost_model=CostModel.of(step_cost_model(e)),
+            kv_store_namespace=e.kv_connector.ns_digest.hex() if e.kv_connector else "",
+            kv_shared_path=(e.kv_connector.config.shared_path or "") if e.kv_connector else "",
         )
 
     # ------------------------------------------------------------------ the loop

@@ -54,6 +54,8 @@ class Ready(msgspec.Struct, tag=True, frozen=True):
     node_role: str = "both"  # the platform's node role: a worker's default role
     kv_layout: str = ""  # KV layout fingerprint (deepinfer.router.load)
     cost_model: CostModel | None = None  # the step cost model routers predict this core's work with
+    kv_store_namespace: str = ""  # hex digest of its KV store namespace ("": no store)
+    kv_shared_path: str = ""  # its KV store's shared tier ("": none): where handed-off blocks live
 
 
 class SpecCounts(msgspec.Struct, array_like=True, frozen=True):

@@ -27,13 +27,17 @@ class KVCacheManager:
         self.block_size = block_size
         self.pool = BlockPool(num_blocks, enable_prefix_caching)
         self._blocks: dict[str, list[KVBlock]] = {}
+        self._block_ids: dict[str, list[int]] = {}  # the same blocks' ids, extended alongside
         self._num_hashed: dict[str, int] = {}
         self.prefix_queries = 0  # prompt tokens looked up in the prefix cache
         self.prefix_hits = 0  # of which found
 
     # ------------------------------------------------------------------ queries
     def block_ids(self, request_id: str) -> list[int]:
-        return [b.block_id for b in self._blocks.get(request_id, ())]
+        """The request's block ids, in order: the manager's own list, which only grows while the
+        request holds its blocks (a new list after it is freed), so readers can track it by
+        differences. Callers must not modify it."""
+        return self._block_ids.get(request_id, [])
 
     @property
     def num_free_blocks(self) -> int:
@@ -92,6 +96,8 @@ class KVCacheManager:
         blocks.extend(cached)
         if needed > 0:
             blocks.extend(self.pool.allocate(needed))
+        ids = self._block_ids.setdefault(request.request_id, [])
+        ids.extend(b.block_id for b in blocks[len(ids) :])
         self._register_full_blocks(request, num_computed + num_new_tokens)
         return True
 
@@ -111,5 +117,6 @@ class KVCacheManager:
         """Release every block of the request, tail first: its tail is then evicted before its
         prefix, which is the part other requests are likely to share."""
         blocks = self._blocks.pop(request.request_id, [])
+        self._block_ids.pop(request.request_id, None)
         self._num_hashed.pop(request.request_id, None)
         self.pool.release(list(reversed(blocks)))

@@ -29,6 +29,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from deepinfer.kvstore import record
+from deepinfer.kvstore.leases import LeaseTable
 from deepinfer.kvstore.metrics import TierCounters
 from deepinfer.kvstore.retention import Entry, RetentionPolicy, expired, plan_eviction
 from deepinfer.logger import get_logger
@@ -53,7 +54,7 @@ class FileTier:
         clock: Callable[[], float],
     ) -> None:
         self.name = name
-        self.dir = Path(root) / "kv1" / namespace.hex()[:32]
+        self.dir = namespace_dir(root, namespace)
         self.namespace = namespace
         self.capacity = capacity_bytes
         self.shared = shared
@@ -65,6 +66,7 @@ class FileTier:
         self._logged: set[str] = set()
         self.lock = threading.RLock()
         self.held: set[bytes] = set()  # keys under a store hold: never evicted
+        self.leases = LeaseTable(root) if shared else None  # handoff leases: never evicted either
         self.dir.mkdir(parents=True, exist_ok=True)
         info = self.dir / "NAMESPACE.json"
         if not info.is_file():
@@ -73,8 +75,7 @@ class FileTier:
 
     # ------------------------------------------------------------------ index
     def path(self, key: bytes) -> Path:
-        h = key.hex()
-        return self.dir / h[:2] / (h + SUFFIX)
+        return block_path(self.dir, key)
 
     def rescan(self) -> None:
         """Rebuild the index from the directory: every final file (sizes below a header are removed
@@ -239,8 +240,9 @@ class FileTier:
             return True
         if self.shared:
             self.rescan()  # other writers changed the directory: plan on what is really there
+        held = self.held | self.leases.held_keys(now) if self.leases is not None else self.held
         entries = [
-            Entry(e.key, e.size, e.last_used, e.expires_at, e.key in self.held) for e in self.index.values()
+            Entry(e.key, e.size, e.last_used, e.expires_at, e.key in held) for e in self.index.values()
         ]
         victims, fits = plan_eviction(entries, now, self.capacity, incoming)
         for key in victims:
@@ -286,6 +288,17 @@ class FileTier:
     def _gauges(self) -> None:
         self.counters.entries = len(self.index)
         self.counters.bytes = self.used
+
+
+def namespace_dir(root: str | Path, namespace: bytes) -> Path:
+    """The folder of ``namespace``'s blocks in the tier rooted at ``root``."""
+    return Path(root) / "kv1" / namespace.hex()[:32]
+
+
+def block_path(folder: Path, key: bytes) -> Path:
+    """Where block ``key`` lives in a namespace folder (its file exists once it is written whole)."""
+    h = key.hex()
+    return folder / h[:2] / (h + SUFFIX)
 
 
 def _unlink(path: str | Path) -> None:

@@ -2,7 +2,9 @@
 
 Per token the cache holds only the normalised latent ``c`` (kv_lora_rank wide) and the rotated rope key
 (qk_rope_head_dim wide). Prefill expands cached and new latents into per-head keys and values with
-``kv_b_proj`` and runs ``mla_prefill``; decode folds ``W_UK`` into the query and ``W_UV`` after the
+``kv_b_proj`` and runs ``mla_prefill`` (over a cached context longer than ``CONTEXT_TILE_TOKENS``,
+tile by tile with ``mla_prefill_partial`` and a log-sum-exp merge, so the expanded keys held at once
+stay bounded); decode folds ``W_UK`` into the query and ``W_UV`` after the
 attention, so ``mla_decode`` reads the latent cache directly (MQA with one 576-wide head for V3).
 """
 
@@ -14,7 +16,7 @@ import torch
 from torch import Tensor, nn
 
 from deepinfer.backends import ops
-from deepinfer.model.attn_metadata import AttentionMetadata
+from deepinfer.model.attn_metadata import AttentionMetadata, PrefillMetadata
 from deepinfer.model.config import ModelConfig
 from deepinfer.model.layers import Linear, RMSNorm
 
@@ -90,24 +92,63 @@ class MLAAttention(nn.Module):
             out[:num_decode] = ops.linear(o_latent, self.w_uv, None)
         if meta.prefill is not None:
             p = meta.prefill
-            if p.context_slots is None:
-                ctx_c, ctx_pe = kv_c[num_decode:], k_pe[num_decode:]
-            else:
-                ctx_c, ctx_pe = ops.kv_cache_gather(kv_cache, p.context_slots, self.latent)
-            num_keys = ctx_c.shape[0]
-            kv = self.kv_b_proj(ctx_c.to(hidden.dtype)).view(num_keys, self.heads, self.nope + self.v_dim)
-            k_nope, v = kv.split((self.nope, self.v_dim), dim=-1)
-            k = torch.cat((k_nope, ctx_pe.to(hidden.dtype)[:, None, :].expand(-1, self.heads, -1)), dim=-1)
             q_prefill = torch.cat((q_nope[num_decode:], q_pe[num_decode:]), dim=-1)
-            out[num_decode:] = ops.mla_prefill(
-                q_prefill,
-                k,
-                v.contiguous(),
-                p.cu_seqlens_q,
-                p.cu_seqlens_k,
-                p.max_seqlen_q,
-                p.max_seqlen_k,
-                self.scale,
-                self.window,
-            )
+            if p.context_tiles and self.window is None:
+                out[num_decode:] = self._tiled_prefill(q_prefill, p, meta.slot_mapping[num_decode:], kv_cache)
+            else:
+                if p.context_slots is None:
+                    ctx_c, ctx_pe = kv_c[num_decode:], k_pe[num_decode:]
+                else:
+                    ctx_c, ctx_pe = ops.kv_cache_gather(kv_cache, p.context_slots, self.latent)
+                k, v = self._expand(ctx_c, ctx_pe, hidden.dtype)
+                out[num_decode:] = ops.mla_prefill(
+                    q_prefill,
+                    k,
+                    v,
+                    p.cu_seqlens_q,
+                    p.cu_seqlens_k,
+                    p.max_seqlen_q,
+                    p.max_seqlen_k,
+                    self.scale,
+                    self.window,
+                )
         return self.o_proj(out.view(num_tokens, self.heads * self.v_dim))
+
+    def _expand(self, latent: Tensor, k_pe: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """Cached rows [N, L] and [N, R] -> per-head keys [N, H, Dn + R] and values [N, H, Dv]."""
+        num_keys = latent.shape[0]
+        kv = self.kv_b_proj(latent.to(dtype)).view(num_keys, self.heads, self.nope + self.v_dim)
+        k_nope, v = kv.split((self.nope, self.v_dim), dim=-1)
+        k = torch.cat((k_nope, k_pe.to(dtype)[:, None, :].expand(-1, self.heads, -1)), dim=-1)
+        return k, v.contiguous()
+
+    def _tiled_prefill(
+        self, q: Tensor, p: PrefillMetadata, new_slots: Tensor, kv_cache: Sequence[Tensor]
+    ) -> Tensor:
+        """Prefill attention over a long cached context in bounded workspace: the step's own keys
+        causally, then each context tile (at most CONTEXT_TILE_TOKENS keys expanded at once), merged by
+        log-sum-exp in float32. q: [Tp, H, Dn + R] -> [Tp, H, Dv] in q's dtype."""
+        k, v = self._expand(*ops.kv_cache_gather(kv_cache, new_slots, self.latent), q.dtype)
+        acc, acc_lse = ops.mla_prefill_partial(
+            q, k, v, p.cu_seqlens_q, p.cu_seqlens_q, p.max_seqlen_q, p.max_seqlen_q, self.scale, True
+        )
+        del k, v
+        for tile in p.context_tiles:
+            k, v = self._expand(*ops.kv_cache_gather(kv_cache, tile.slots, self.latent), q.dtype)
+            rows = slice(tile.q_start, tile.q_end)
+            part, part_lse = ops.mla_prefill_partial(
+                q[rows], k, v, tile.cu_seqlens_q, tile.cu_seqlens_k, tile.max_seqlen_q,
+                tile.max_seqlen_k, self.scale, False,
+            )  # fmt: skip
+            del k, v
+            merge_attention(acc[rows], acc_lse[rows], part, part_lse)
+        return acc.to(q.dtype)
+
+
+def merge_attention(acc: Tensor, acc_lse: Tensor, part: Tensor, part_lse: Tensor) -> None:
+    """Fold one piece of attention into a running result, in place: acc [T, H, Dv] and acc_lse [T, H]
+    (float32, acc_lse finite) become the attention over both pieces' keys; part_lse may be -inf (no
+    keys in the piece)."""
+    lse = torch.logaddexp(acc_lse, part_lse)
+    acc.mul_(torch.exp(acc_lse - lse)[..., None]).add_(part * torch.exp(part_lse - lse)[..., None])
+    acc_lse.copy_(lse)

@@ -11,6 +11,11 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
+# Keys per context tile: a prefill chunk over more cached context than this is attended tile by tile
+# (each tile's latents expanded through kv_b_proj, results merged by log-sum-exp), so the expanded keys
+# and values held at once never exceed this many tokens, however long the context.
+CONTEXT_TILE_TOKENS = 2048
+
 
 @dataclass(slots=True)
 class DecodeMetadata:
@@ -24,12 +29,33 @@ class DecodeMetadata:
 
 
 @dataclass(slots=True)
+class ContextTile:
+    """One tile of the prefill requests' cached context: at most ``CONTEXT_TILE_TOKENS`` keys in all,
+    from a run of consecutive prefill requests, for ``ops.mla_prefill_partial(causal=False)``.
+
+    The run's queries are prefill tokens ``[q_start, q_end)`` (indices among the step's prefill tokens);
+    ``cu_seqlens_k`` may give a request of the run no keys.
+    """
+
+    q_start: int
+    q_end: int
+    slots: Tensor  # [keys] int64 cache slots of the tile's keys, request by request
+    cu_seqlens_q: Tensor  # [b+1] int32, relative to q_start
+    cu_seqlens_k: Tensor  # [b+1] int32
+    max_seqlen_q: int
+    max_seqlen_k: int
+
+
+@dataclass(slots=True)
 class PrefillMetadata:
     """Arguments of ``ops.mla_prefill`` for the remaining tokens of the step.
 
     ``context_slots`` lists, per request, the cache slots of ALL its keys (cached context, then this
     step's tokens), to be read back with ``kv_cache_gather``; it is None when no request has cached
-    context, in which case the keys are exactly this step's tokens.
+    context, in which case the keys are exactly this step's tokens. ``context_tiles`` is non-empty
+    when the requests' cached context exceeds ``CONTEXT_TILE_TOKENS`` in all: full-attention layers
+    then attend this step's tokens causally and each tile of the context apart, and merge the pieces
+    (sliding-window layers still read ``context_slots``).
     """
 
     cu_seqlens_q: Tensor  # [B+1] int32
@@ -37,6 +63,7 @@ class PrefillMetadata:
     max_seqlen_q: int
     max_seqlen_k: int
     context_slots: Tensor | None  # [sum of key lengths] int64
+    context_tiles: tuple[ContextTile, ...] = ()
 
 
 @dataclass(slots=True)

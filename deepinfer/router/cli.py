@@ -37,6 +37,12 @@ def add_router_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--request-timeout-s", type=float, default=_default("request_timeout_s"))
     parser.add_argument("--first-byte-timeout-s", type=float, default=_default("first_byte_timeout_s"))
     parser.add_argument("--max-attempts", type=int, default=_default("max_attempts"))
+    parser.add_argument(
+        "--kv-lease-s",
+        type=float,
+        default=_default("kv_lease_s"),
+        help="how long a prefill worker holds handed-off KV blocks for the decode worker",
+    )
     parser.add_argument("--poll-interval-s", type=float, default=_default("poll_interval_s"))
     parser.add_argument("--poll-timeout-s", type=float, default=_default("poll_timeout_s"))
     parser.add_argument(
@@ -80,6 +86,7 @@ def router_config(args: argparse.Namespace, **overrides) -> RouterConfig:
         "request_timeout_s": args.request_timeout_s,
         "first_byte_timeout_s": args.first_byte_timeout_s,
         "max_attempts": args.max_attempts,
+        "kv_lease_s": args.kv_lease_s,
         "poll_interval_s": args.poll_interval_s,
         "poll_timeout_s": args.poll_timeout_s,
         "startup_timeout_s": args.startup_timeout_s,
@@ -147,8 +154,8 @@ def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
         )
     parser.add_argument(
         "--kv-store-path",
-        required=True,
-        help="shared KV store directory (checked to be writable; unused until the prefill->decode handoff exists)",
+        help="the workers' shared KV store directory (their --kv-shared-path): prefill workers hand "
+        "prompts' KV blocks to decode workers through it; required with prefill or decode workers",
     )
     parser.add_argument("--worker-threads", type=int, help="torch threads per worker (OMP_NUM_THREADS)")
     parser.add_argument(
@@ -179,7 +186,13 @@ def run_cluster(args: argparse.Namespace) -> int:
             raise ValueError(f"--worker-kv-cache-gib: {args.worker_kv_cache_gib} is not a size (> 0)")
         if args.worker_threads is not None and args.worker_threads < 1:
             raise ValueError(f"--worker-threads: {args.worker_threads} is not a thread count (>= 1)")
-        cluster.check_store_path(args.kv_store_path)
+        if args.kv_store_path is None and (args.prefill or args.decode):
+            raise ValueError(
+                "--kv-store-path: a cluster with prefill or decode workers needs a shared KV store "
+                "directory (the prefill->decode handoff goes through it)"
+            )
+        if args.kv_store_path is not None:
+            cluster.check_store_path(args.kv_store_path)
         config = router_config(
             argparse.Namespace(**{**vars(args), "prefill": [], "decode": [], "both": []}),
             accept_registrations=True,
@@ -188,6 +201,13 @@ def run_cluster(args: argparse.Namespace) -> int:
         print(f"deepinfer cluster: {exc}", file=sys.stderr)
         return 2
     serve_args = ["--kv-cache-memory-gib", str(args.worker_kv_cache_gib), *shlex.split(args.serve_args)]
+    if args.kv_store_path is not None:  # a host tier as large as the device cache, then the shared dir
+        serve_args += [
+            "--kv-shared-path",
+            args.kv_store_path,
+            "--kv-host-cache-gib",
+            str(args.worker_kv_cache_gib),
+        ]
     return cluster.run_cluster(
         {r: n for r, n in counts.items() if n},
         args.model,

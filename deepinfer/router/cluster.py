@@ -6,9 +6,9 @@ cluster process dies (Linux ``PR_SET_PDEATHSIG``), so workers are never orphaned
 answers ``/health``, the router runs in this process on the given port. Ctrl-C or SIGTERM stops the
 router, then each worker: SIGTERM to its group, a bounded wait, SIGKILL, wait.
 
-The KV store path is checked (a writable directory, created if missing) and passed on nowhere yet:
-the prefill->decode handoff through the store is not built, so every request is served whole by
-one both- or decode-role worker (see ``deepinfer.router.policies.plan``).
+The KV store path is checked (a writable directory, created if missing) and given to every worker
+as its shared KV tier (``--kv-shared-path``): prefill workers hand prompts' KV blocks to decode
+workers through it (``deepinfer.server.kv_transfer``).
 """
 
 from __future__ import annotations

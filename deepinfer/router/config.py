@@ -40,6 +40,9 @@ class RouterConfig(BaseModel):
     )
     request_timeout_s: float = Field(600.0, gt=0, description="each request's deadline, retries included")
     max_attempts: int = Field(3, ge=1, description="workers tried per request")
+    kv_lease_s: float = Field(
+        30.0, gt=0, description="how long a prefill worker holds handed-off KV blocks for the decode worker"
+    )
     startup_timeout_s: float = Field(30.0, gt=0, description="how long to wait for the workers at startup")
     log_level: str = "info"
 

@@ -1,8 +1,8 @@
 """The prefill->decode handoff, the router's side: the messages it exchanges with the two workers
 and one state machine per request. Pure (no I/O; callers pass the time).
 
-The flow, once workers implement it (the KV store issue builds their side; until then
-``Proxy.handoff_ready`` is False and :func:`~deepinfer.router.policies.plan` never picks two hops):
+The flow (the workers' side: :mod:`deepinfer.server.kv_transfer`; the router takes it when a prefill
+worker and a decode worker report the same shared KV store, see ``Proxy.handoff_ready``):
 
 1. Router -> prefill worker: the client's body with ``stream: false``, ``max_tokens: 1`` and
    ``kv_transfer`` = :class:`PrefillOrder` (handoff id, the request's deadline, the lease to take).
@@ -175,6 +175,12 @@ class Handoff:
         self._expect(HandoffState.STREAMING, HandoffState.DECODING)
         self.state = HandoffState.DONE
         self._released = True  # decode's ack freed it
+
+    def abandon(self, reason: str) -> None:
+        """The router gives up on the handoff (no worker left for it, or the request was cancelled):
+        ``failed`` unless it already ended."""
+        if not self.state.terminal:
+            self._fail(reason)
 
     def take_release(self) -> str | None:
         """Once the handoff has ended without decode's ack, after a prefill was sent (it may have saved

@@ -155,6 +155,8 @@ class WorkerLoad(msgspec.Struct, frozen=True):
     num_in_flight: int  # requests the server admitted and has not finished
     engine: EngineLoad
     cost_model: CostModel
+    kv_store_id: str = ""  # the shared KV store it hands blocks through ("": none, no handoff)
+    kv_leases: int = 0  # handoff leases it holds in that store (deepinfer.server.kv_transfer)
 
     @property
     def active_requests(self) -> int:

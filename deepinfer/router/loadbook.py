@@ -133,6 +133,7 @@ class LoadBook:
             kv_tokens_held=max(0, kv),
             kv_capacity_tokens=r.engine.kv_capacity_tokens,
             admitted=worker.admitted and r.healthy,
+            kv_store_id=r.kv_store_id,
         )
 
     def views(self) -> list[WorkerView]:

@@ -24,7 +24,9 @@ FAILURE_KINDS = (
     "no_worker",
     "deadline",
     "health",
+    "handoff",
 )
+HANDOFF_OUTCOMES = ("done", "failed", "expired")  # deepinfer.router.handoff's terminal states
 
 
 class _WorkerCollector(Collector):
@@ -89,12 +91,21 @@ class RouterMetrics:
         self.failures = Counter(
             "deepinfer_router_failures",
             "Failures seen by the router: connect, timeout, ejected (worker ejected mid-attempt), worker_status "
-            "(a retryable HTTP status), mid_stream, no_worker, deadline, health (failed load polls)",
+            "(a retryable HTTP status), mid_stream, no_worker, deadline, health (failed load polls), handoff (a "
+            "prefill answer without a valid handoff result)",
             ["kind"],
             registry=r,
         )
         for kind in FAILURE_KINDS:
             self.failures.labels(kind=kind)
+        self.handoffs = Counter(
+            "deepinfer_router_handoffs",
+            "Prefill->decode handoffs that ended, by terminal state (failed ones fall back to one worker)",
+            ["outcome"],
+            registry=r,
+        )
+        for outcome in HANDOFF_OUTCOMES:
+            self.handoffs.labels(outcome=outcome)
         self.ejections = Counter("deepinfer_router_ejections", "Workers ejected", ["worker"], registry=r)
         self.readmissions = Counter(
             "deepinfer_router_readmissions", "Ejected workers re-admitted", ["worker"], registry=r

@@ -46,6 +46,7 @@ class WorkerView:
     kv_tokens_held: int = 0
     kv_capacity_tokens: int = 0
     admitted: bool = True  # healthy and not ejected
+    kv_store_id: str = ""  # the shared KV store it hands blocks through ("": it cannot)
 
     @property
     def can_prefill(self) -> bool:
@@ -164,21 +165,31 @@ class NoWorker(Exception):
     """No admitted worker can serve the request (the message says which role is missing)."""
 
 
+def handoff_pairs(workers: Sequence[WorkerView]) -> set[str]:
+    """The store ids through which an admitted prefill-role worker can hand a prompt to an admitted
+    decode-capable one (both report the same shared KV store)."""
+    admitted = [w for w in workers if w.admitted and w.kv_store_id]
+    prefill = {w.kv_store_id for w in admitted if w.role is Role.PREFILL}
+    return prefill & {w.kv_store_id for w in admitted if w.can_decode}
+
+
 def plan(
     request: RequestInfo,
     workers: Sequence[WorkerView],
     prefill: Policy,
     decode: Policy,
     min_disaggregated_tokens: int,
-    handoff_ready: bool,
+    handoff: bool = True,
 ) -> Direct | TwoHop:
     """Where ``request`` goes.
 
     A prompt shorter than ``min_disaggregated_tokens`` goes straight to a decode-capable worker
-    (decode and both roles) by ``decode``. A longer one goes, when ``handoff_ready`` and there are
-    admitted prefill-role and decode-capable workers, to a prefill-capable worker by ``prefill`` then
-    a decode-capable one by ``decode`` (:class:`TwoHop`); otherwise to one worker that can do both
-    halves, by ``prefill``: a both-role worker when there is one, else a decode-role one.
+    (decode and both roles) by ``decode``. A longer one goes, when ``handoff`` (the request can be
+    handed off) and an admitted prefill-role worker shares a KV store with an admitted
+    decode-capable one (:func:`handoff_pairs`), to a prefill-capable worker of such a store by
+    ``prefill``, then a decode-capable one of its store by ``decode``, another worker when there is
+    one (:class:`TwoHop`); otherwise to one worker that can do both halves, by ``prefill``: a
+    both-role worker when there is one, else a decode-role one.
     """
     admitted = [w for w in workers if w.admitted]
     decoders = [w for w in admitted if w.can_decode]
@@ -187,12 +198,12 @@ def plan(
         raise NoWorker(f"no admitted worker can decode (admitted roles: {have})")
     if request.prompt_tokens < min_disaggregated_tokens:
         return Direct(decode.choose(request, decoders), "short")
-    prefillers = [w for w in admitted if w.role is Role.PREFILL]
-    if handoff_ready and prefillers:
-        decode_side = [w for w in decoders if w.role is Role.DECODE] or decoders
-        first = prefill.choose(request, prefillers + [w for w in admitted if w.role is Role.BOTH])
-        return TwoHop(
-            first, decode.choose(request, [w for w in decode_side if w.url != first.url] or decode_side)
-        )
+    stores = handoff_pairs(admitted) if handoff else set()
+    if stores:
+        first = prefill.choose(request, [w for w in admitted if w.can_prefill and w.kv_store_id in stores])
+        same = [w for w in decoders if w.kv_store_id == first.kv_store_id and w.url != first.url]
+        decode_side = [w for w in same if w.role is Role.DECODE] or same
+        if decode_side:
+            return TwoHop(first, decode.choose(request, decode_side))
     both = [w for w in decoders if w.role is Role.BOTH]
     return Direct(prefill.choose(request, both or decoders), "long")

@@ -11,9 +11,16 @@ breaks after the client has received output ends with an error event in its API'
 ``[DONE]`` for the OpenAI APIs). Every failure is counted by kind in the router's metrics.
 
 Paths (:func:`~deepinfer.router.policies.plan`): a short prompt goes straight to a decode-capable
-worker; a long one to one worker that does both halves. The two-hop path (prefill worker, KV through
-the store, decode worker) is :mod:`deepinfer.router.handoff`'s protocol; it is taken once workers
-implement it (``handoff_ready``), which they do not yet.
+worker; a long one, when a prefill worker and a decode-capable worker report the same shared KV store
+(``handoff_ready``), takes two hops (:mod:`deepinfer.router.handoff`'s protocol, one
+:class:`~deepinfer.router.handoff.Handoff` per request): the prefill worker computes the prompt (one
+token, not streamed) and leases its KV blocks in the store, then the decode worker loads them and
+answers the client. A prefill that fails is tried on another prefill worker of that store; a decode
+that fails before any output on another decode worker (the same blocks); when the handoff runs out
+of workers the request goes on to the next attempt, which plans without the workers tried (so a
+decode-capable worker computes the prompt itself). A handoff that ends without the decode's ack has
+its lease released at the prefill side (``POST /kv/release``, idempotent), in the background. A
+request the handoff cannot carry (several prompts or choices) is served by one worker.
 """
 
 from __future__ import annotations
@@ -27,14 +34,16 @@ from dataclasses import dataclass, replace
 from typing import TypeVar
 
 import httpx
+import msgspec
 from fastapi.responses import Response
 from starlette.datastructures import Headers
 
 from deepinfer.logger import get_logger
 from deepinfer.router.config import RouterConfig
 from deepinfer.router.estimate import estimate_request
+from deepinfer.router.handoff import Handoff, HandoffError, PrefillResult
 from deepinfer.router.metrics import RouterMetrics
-from deepinfer.router.policies import NoWorker, Policy, RequestInfo, TwoHop, plan
+from deepinfer.router.policies import NoWorker, Policy, RequestInfo, TwoHop, WorkerView, handoff_pairs, plan
 from deepinfer.router.registry import Registry
 from deepinfer.router.stream import Api, EventSplitter, carries_output, dialect, error_events
 from deepinfer.server.errors import ApiError
@@ -46,6 +55,10 @@ T = TypeVar("T")
 RETRYABLE_STATUS = {429, 502, 503, 504}
 HOP_BY_HOP = {"host", "content-length", "connection", "keep-alive", "transfer-encoding", "te", "upgrade"}
 WORKER_HEADER = "x-deepinfer-worker"  # the worker that answered (the last one tried)
+RELEASE_PATH = "/kv/release"  # deepinfer.server.kv_transfer
+CLIENT_ERRORS = {400, 401, 403, 404, 413, 422}  # the request itself is wrong: relayed, not retried
+TOKEN_LIMIT = {"chat": "max_tokens", "completions": "max_tokens", "responses": "max_output_tokens",
+               "messages": "max_tokens"}  # fmt: skip
 
 
 class _Ejected(Exception):
@@ -101,8 +114,13 @@ class Proxy:
         self.decode = decode
         self.metrics = metrics
         self.clock = clock
-        self.handoff_ready = False  # True once workers implement deepinfer.router.handoff
         self._closing: set[asyncio.Task] = set()
+
+    @property
+    def handoff_ready(self) -> bool:
+        """True while an admitted prefill worker and an admitted decode-capable worker report the
+        same shared KV store (their ``/load``): long prompts then take two hops."""
+        return bool(handoff_pairs(self.registry.book.views()))
 
     async def handle(self, api: Api, path: str, raw: bytes, headers: Headers) -> Response:
         try:
@@ -129,7 +147,7 @@ class Proxy:
                     self.prefill,
                     self.decode,
                     self.config.min_disaggregated_tokens,
-                    self.handoff_ready,
+                    _can_hand_off(api, body),
                 )
             except NoWorker as exc:
                 if not failures:
@@ -137,16 +155,20 @@ class Proxy:
                     self.metrics.requests.labels(api=api, path="none", outcome="error").inc()
                     return ApiError(503, f"no worker can serve the request: {exc}").response(dialect(api))
                 break
-            if isinstance(route, TwoHop):
-                raise RuntimeError(
-                    "the two-hop path needs the KV handoff (deepinfer.router.handoff), not built yet"
-                )
-            url, route_kind = route.worker.url, route.reason
-            tried.add(url)
             if attempt:
                 self.metrics.retries.inc()
             if self.clock() >= deadline:
                 break
+            if isinstance(route, TwoHop):
+                route_kind = "two_hop"
+                result = await self._two_hop(api, path, body, forward, stream, info, route, deadline, tried,
+                                             failures)  # fmt: skip
+                if result is not None:
+                    self.metrics.requests.labels(api=api, path=route_kind, outcome="ok").inc()
+                    return result
+                continue
+            url, route_kind = route.worker.url, route.reason
+            tried.add(url)
             result = await self._attempt(
                 api, url, path, raw, forward, stream, info, route.worker.request_cost_s(info), deadline
             )
@@ -158,6 +180,133 @@ class Proxy:
             failures.append((url, result))
         self.metrics.requests.labels(api=api, path=route_kind, outcome="error").inc()
         return self._give_up(api, failures, deadline)
+
+    async def _two_hop(
+        self,
+        api: Api,
+        path: str,
+        body: dict,
+        headers: Mapping[str, str],
+        stream: bool,
+        info: RequestInfo,
+        route: TwoHop,
+        deadline: float,
+        tried: set[str],
+        failures: list[tuple[str, _Failure]],
+    ) -> Response | None:
+        """One request's handoff (see the module docstring): the answer to relay, or None when it
+        failed before anything reached the client (the caller tries another path)."""
+        store = route.prefill.kv_store_id
+        h = Handoff(
+            uuid.uuid4().hex,
+            time.time() + (deadline - self.clock()),
+            self.config.kv_lease_s,
+            self.registry.identity.kv_layout if self.registry.identity else "",
+        )
+        worker: WorkerView | None = route.prefill
+        try:
+            while True:  # prefill
+                order = h.start_prefill(worker.url, time.time())
+                tried.add(worker.url)
+                got = await self._prefill(api, path, body, headers, worker, info, order, deadline)
+                if isinstance(got, PrefillResult):
+                    try:
+                        h.prefilled(got, time.time())
+                        break
+                    except HandoffError as exc:
+                        got = _Failure("handoff", str(exc))
+                if got.kind == "client_error":  # the request itself is wrong: the client's answer
+                    h.prefill_failed(got.message, time.time())
+                    return got.response
+                self._failed(failures, worker.url, got)
+                if not h.prefill_failed(got.message, time.time()):
+                    return None
+                worker = self._next(lambda w: w.can_prefill, store, tried, info, self.prefill)
+                if worker is None:
+                    return None
+                self.metrics.retries.inc()
+            worker = route.decode
+            while True:  # decode
+                order = h.start_decode(worker.url, time.time())
+                tried.add(worker.url)
+                raw = json.dumps({**body, "kv_transfer": msgspec.to_builtins(order)}).encode()
+                result = await self._attempt(api, worker.url, path, raw, headers, stream, info, 0.0, deadline)
+                if isinstance(result, Response):
+                    h.decode_output()
+                    if result.status_code < 400:
+                        h.finished()  # the decode worker acked the lease when it loaded the blocks
+                    else:
+                        h.decode_failed(f"HTTP {result.status_code}", time.time())
+                    return result
+                self._failed(failures, worker.url, result)
+                if not h.decode_failed(result.message, time.time()):
+                    return None
+                worker = self._next(lambda w: w.can_decode, store, tried, info, self.decode)
+                if worker is None:
+                    return None
+                self.metrics.retries.inc()
+        finally:
+            h.abandon("no worker left for the handoff")  # if it has not ended: nothing reached the client
+            self.metrics.handoffs.labels(outcome=h.state.value).inc()
+            handoff_id = h.take_release()
+            if handoff_id is not None:
+                for url in h.prefill_workers:
+                    self._background(self._release(url, handoff_id))
+
+    def _next(
+        self, capable, store: str, tried: set[str], info: RequestInfo, policy: Policy
+    ) -> WorkerView | None:
+        """Another admitted worker of ``store`` that is ``capable`` and not tried yet, by ``policy``."""
+        views = self.registry.book.views()
+        candidates = [v for v in views if v.admitted and v.kv_store_id == store and capable(v)]
+        candidates = [v for v in candidates if v.url not in tried]
+        return policy.choose(info, candidates) if candidates else None
+
+    def _failed(self, failures: list[tuple[str, _Failure]], url: str, failure: _Failure) -> None:
+        self.metrics.failures.labels(kind=failure.kind).inc()
+        logger.warning("handoff step on %s failed (%s): %s", url, failure.kind, failure.message)
+        failures.append((url, failure))
+
+    async def _prefill(
+        self,
+        api: Api,
+        path: str,
+        body: dict,
+        headers: Mapping[str, str],
+        worker: WorkerView,
+        info: RequestInfo,
+        order,
+        deadline: float,
+    ) -> PrefillResult | _Failure:
+        """Send the prefill half to ``worker``: its ``PrefillResult``, or why not."""
+        prefill = {k: v for k, v in body.items() if k not in ("stream_options", "max_completion_tokens")}
+        prefill.update({"stream": False, TOKEN_LIMIT[api]: 1, "kv_transfer": msgspec.to_builtins(order)})
+        raw = json.dumps(prefill).encode()
+        result = await self._attempt(
+            api, worker.url, path, raw, headers, False, info, worker.request_cost_s(info), deadline
+        )
+        if isinstance(result, _Failure):
+            return result
+        if result.status_code in CLIENT_ERRORS:
+            return _Failure("client_error", f"HTTP {result.status_code}", result)
+        if result.status_code != 200:
+            return _Failure("worker_status", f"HTTP {result.status_code}: {bytes(result.body)[:300]!r}")
+        try:
+            return msgspec.convert(json.loads(result.body)["kv_transfer"], PrefillResult)
+        except (ValueError, KeyError, TypeError, msgspec.ValidationError) as exc:
+            return _Failure("handoff", f"the prefill answer has no valid kv_transfer ({exc})")
+
+    async def _release(self, url: str, handoff_id: str) -> None:
+        """Release a lease at the prefill worker (best effort: an unreleased lease expires)."""
+        try:
+            await self.client.post(f"{url}{RELEASE_PATH}", json={"handoff_id": handoff_id}, timeout=5)
+        except httpx.HTTPError as exc:
+            logger.info("releasing handoff %s at %s failed (%s); its lease expires", handoff_id, url, exc)
+
+    def _background(self, coro) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._closing.add(task)
+        task.add_done_callback(self._closing.discard)
 
     def _give_up(self, api: Api, failures: list[tuple[str, _Failure]], deadline: float) -> Response:
         relayed = [f.response for _, f in failures if f.response is not None]
@@ -226,9 +375,7 @@ class Proxy:
         """A relayed stream ended, however it ended (also when it never started): idempotent."""
         self.registry.book.finished(url, rid, self.clock())
         if not response.is_closed:
-            task = asyncio.get_running_loop().create_task(response.aclose())
-            self._closing.add(task)
-            task.add_done_callback(self._closing.discard)
+            self._background(response.aclose())
 
     @staticmethod
     def _relay(response: httpx.Response, body: bytes, url: str) -> Response:
@@ -297,3 +444,13 @@ class Proxy:
             self.registry.book.finished(url, rid, self.clock())
             await rest.aclose()
             await response.aclose()
+
+
+def _can_hand_off(api: Api, body: dict) -> bool:
+    """Whether the handoff can carry the request: one prompt, one choice."""
+    if body.get("n") not in (None, 1):
+        return False
+    prompt = body.get("prompt")
+    return not (
+        api == "completions" and isinstance(prompt, list) and prompt and not isinstance(prompt[0], int)
+    )

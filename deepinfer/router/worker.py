@@ -11,6 +11,7 @@ role the engine core reports once it is ready.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import socket
 import threading
@@ -78,8 +79,13 @@ async def load(request: Request) -> Response:
         num_in_flight=client.num_in_flight,
         engine=client.stats.load,
         cost_model=info.cost_model,
+        **await asyncio.to_thread(_handoff_state, request.app.state.kv_transfer),
     )
     return Response(msgspec.json.encode(body), media_type="application/json")
+
+
+def _handoff_state(kvt) -> dict:
+    return {"kv_store_id": kvt.store_id(), "kv_leases": kvt.live_leases()}
 
 
 def advertised_url(host: str, port: int) -> str:

@@ -13,6 +13,7 @@ from fastapi.openapi.utils import get_openapi
 from deepinfer import __version__
 from deepinfer.core.client import EngineClient
 from deepinfer.router import worker as router_worker
+from deepinfer.server import kv_transfer
 from deepinfer.server.api import chat, completions, messages, ops, responses
 from deepinfer.server.config import ServerConfig
 from deepinfer.server.context import ServingContext
@@ -46,6 +47,7 @@ def build_app(client: EngineClient, config: ServerConfig, tokenizer: Tokenizer |
         app.include_router(api.router)
     router_worker.role_gauge(metrics.registry, app.state.serving)
     install_error_handlers(app)
+    kv_transfer.install(app, app.state.serving, metrics.registry)  # its middleware runs inside the guard
     app.add_middleware(
         RequestGuard,
         api_key=config.api_key,

@@ -12,6 +12,7 @@ from pydantic import ValidationError
 from deepinfer.core.client import EngineClient, EngineDead, QueueFull, RequestStream
 from deepinfer.recipe import ChatRecipe
 from deepinfer.sampling_params import SamplingParams
+from deepinfer.server import kv_transfer
 from deepinfer.server.config import ServerConfig
 from deepinfer.server.errors import ApiError, field_path
 from deepinfer.server.metrics import ServerMetrics
@@ -159,7 +160,7 @@ class ServingContext:
                 param=fields.max_tokens,
             )
         try:
-            return self.client.submit(prompt_token_ids, params, arrival_time, detokenize)
+            stream = self.client.submit(prompt_token_ids, params, arrival_time, detokenize)
         except QueueFull as exc:
             self.metrics.rejected.inc()
             raise ApiError(
@@ -167,3 +168,4 @@ class ServingContext:
             ) from None
         except EngineDead as exc:
             raise ApiError(503, str(exc), headers=self._retry()) from None
+        return kv_transfer.observe(prompt_token_ids, params, stream)  # a P/D handoff watches it

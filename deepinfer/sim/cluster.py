@@ -10,12 +10,13 @@ a step lasts what the pool's :class:`~deepinfer.sim.costs.ForwardCost` says, the
 request receives its next (predetermined) output token and the scheduler applies it as the engine
 does.
 
-A request enters the first pool (``prefill`` if there is one, else ``both``) through that pool's
-router; its prompt's leading blocks found in the rank's device cache count as device hits, the next
+A request is routed by the serving router's own code (:mod:`deepinfer.sim.routing`: its policies and
+load bookkeeping, fed by simulated load polls): with a ``prefill`` and a ``decode`` pool a prompt of
+at least ``min_disaggregated_tokens`` goes to a prefill rank and, chosen at the same time, a decode
+rank (two hops); a shorter one goes straight to a decode rank, which computes it too. Its prompt's leading blocks found in the rank's device cache count as device hits, the next
 ones held by a lower tier (host, store) are loaded (taking the tier's read time) into free device
 blocks, and the rest is computed. A prefill worker computes the prompt and samples the first token;
-the KV then moves to a decode rank picked by the decode router (``kv_transfer_bytes_per_s``),
-lands there as cached blocks, and the decode rank generates the rest. Finished requests write their
+the KV then moves to the decode rank the router chose (``kv_transfer_bytes_per_s``), lands there as cached blocks, and the decode rank generates the rest. Finished requests write their
 KV through to the lower tiers.
 """
 
@@ -27,16 +28,19 @@ from typing import Literal
 
 import simpy
 
-from deepinfer.engine.kv_cache_manager import KVCacheManager, hash_block
+from deepinfer.engine.kv_cache_manager import KVCacheManager
 from deepinfer.engine.request import Request
 from deepinfer.engine.scheduler import Scheduler, SchedulerConfig
+from deepinfer.router.config import RouterConfig
+from deepinfer.router.policies import TwoHop
+from deepinfer.router.roles import Role
 from deepinfer.sampling_params import SamplingParams
 from deepinfer.sim.costs import ForwardCost
-from deepinfer.sim.policies import ActiveLoadRouter, PredictedTimeRouter, RankLoad, Router
+from deepinfer.sim.routing import SimRouter
 from deepinfer.sim.tiers import TieredStore
 from deepinfer.sim.workload import Arrival
 
-Role = Literal["prefill", "decode", "both"]
+PoolRole = Literal["prefill", "decode", "both"]
 _PARAMS = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=None)  # shared, read-only
 
 
@@ -56,7 +60,7 @@ class EngineKnobs:
 
 @dataclass(frozen=True, slots=True)
 class PoolConfig:
-    role: Role
+    role: PoolRole
     workers: int  # simulated EP groups
     ranks_per_worker: int  # simulated DP ranks of each group
     cost: ForwardCost
@@ -74,8 +78,7 @@ class ClusterConfig:
     kv_transfer_bytes_per_s: float = 50e9
     kv_bytes_per_token: float = 70272.0
     admission_delay_s: float = 0.0  # arrival -> scheduler: the API front (HTTP, validation, hand-off)
-    prefill_router: Router = field(default_factory=PredictedTimeRouter)
-    decode_router: Router = field(default_factory=ActiveLoadRouter)
+    router: RouterConfig = field(default_factory=RouterConfig)  # policies, thresholds, poll period
 
     def __post_init__(self) -> None:
         roles = sorted(p.role for p in self.pools)
@@ -97,12 +100,19 @@ class RequestTrace:
 
 
 class _Rank:
-    def __init__(self, index: int, knobs: EngineKnobs, cost: ForwardCost) -> None:
+    """One simulated engine: the engine's scheduler and KV cache manager, and what the router reads
+    (:class:`~deepinfer.sim.routing.RoutableRank`)."""
+
+    def __init__(self, index: int, role: Role, knobs: EngineKnobs, cost: ForwardCost) -> None:
         self.index = index
+        self.role = role
+        self.url = f"sim://{role.value}/{index}"
         self.kv = KVCacheManager(knobs.num_blocks, knobs.block_size, knobs.enable_prefix_caching)
         budget = knobs.max_num_batched_tokens
         self.cost_model = cost.scheduler_model() if knobs.step_time_budget_s is not None else None
-        self._predictor = self.cost_model or cost.scheduler_model()
+        self.predictor = self.cost_model or cost.scheduler_model()
+        self.in_flight = 0
+        self.busy_s = 0.0
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_num_seqs=knobs.max_num_seqs,
@@ -116,22 +126,18 @@ class _Rank:
         )
         self.tokens_done = 0
 
-    def load(self) -> RankLoad:
-        s = self.scheduler
-        prompt_work = [
-            (r.num_tokens - r.num_computed_tokens, r.num_computed_tokens)
-            for r in (*s.waiting, *s.running)
-            if r.num_tokens - r.num_computed_tokens > 1
-        ]
-        queue_s = sum(self._predictor.marginal(n, c) for n, c in prompt_work)
-        kv_tokens = sum(r.num_tokens for r in s.running)
-        return RankLoad(self.index, queue_s, len(s.running) + len(s.waiting), kv_tokens)
+    @property
+    def kv_cache(self) -> KVCacheManager:
+        return self.kv
 
 
 class _Worker:
     def __init__(self, env: simpy.Environment, pool: PoolConfig, first_rank: int, sim: Simulation) -> None:
         self.env, self.pool, self.sim = env, pool, sim
-        self.ranks = [_Rank(first_rank + i, pool.knobs, pool.cost) for i in range(pool.ranks_per_worker)]
+        role = Role(pool.role)
+        self.ranks = [
+            _Rank(first_rank + i, role, pool.knobs, pool.cost) for i in range(pool.ranks_per_worker)
+        ]
         self.wake: simpy.Event | None = None
         self.steps = 0
         self.busy_s = 0.0
@@ -158,6 +164,7 @@ class _Worker:
             tokens = [sum(n for n, _ in w) for w in work]
             self.balance_sum += (sum(tokens) / len(tokens)) / max(tokens)
             for rank, output in zip(self.ranks, outputs):
+                rank.busy_s += seconds
                 rank.scheduler.observe_step_time(output, seconds)
                 self.sim.apply(self, rank, output)
 
@@ -179,28 +186,49 @@ class Simulation:
                 workers.append(_Worker(self.env, pool, first, self))
                 first += pool.ranks_per_worker
             self.pools[pool.role] = workers
-        self.entry_role: Role = "prefill" if "prefill" in self.pools else "both"
         self.occupancy: list[tuple[float, dict[str, float]]] = []
-
-    def ranks(self, role: str) -> list[tuple[_Worker, _Rank]]:
-        return [(w, r) for w in self.pools[role] for r in w.ranks]
+        ranks = [r for workers in self.pools.values() for w in workers for r in w.ranks]
+        self._by_url = {r.url: (w, r) for workers in self.pools.values() for w in workers for r in w.ranks}
+        self.router = SimRouter(config.router, ranks)
+        self._decode_url: dict[str, str] = {}  # two-hop request id -> the decode rank chosen for it
+        self._open = 0  # requests admitted and not finished
+        self._arriving = True
+        self._drained = self.env.event()
 
     # ------------------------------------------------------------------ driving
     def run(self, arrivals: Iterable[Arrival], until: float, sample_every_s: float = 60.0) -> None:
+        """Feed ``arrivals`` (in time order) and run to ``until`` or until every request that arrived
+        before it has finished, whichever is first."""
+        self._arriving = True
+        self._drained = self.env.event()
         self.env.process(self._arrive(iter(arrivals), until))
+        self.env.process(self._poll())
         if self.config.store is not None:
             self.env.process(self._sample_occupancy(sample_every_s))
-        self.env.run(until=until)
+        self.env.run(until=self.env.any_of([self.env.timeout(until - self.env.now), self._drained]))
 
     def _arrive(self, arrivals, until: float):
         for arrival in arrivals:
             if arrival.time >= until:
-                return
+                break
             yield self.env.timeout(max(0.0, arrival.time - self.env.now))
+            self._open += 1
             self.env.process(self._admit(arrival))
+        self._arriving = False
+        self._check_drained()
+
+    def _check_drained(self) -> None:
+        if not self._arriving and not self._open and not self._drained.triggered:
+            self._drained.succeed()
+
+    def _poll(self):
+        """The router's load polls (``RouterConfig.poll_interval_s``)."""
+        while not self._drained.triggered:
+            self.router.poll(self.env.now)
+            yield self.env.timeout(self.config.router.poll_interval_s)
 
     def _sample_occupancy(self, every_s: float):
-        while True:
+        while not self._drained.triggered:
             self.occupancy.append((self.env.now, self.config.store.occupancy(self.env.now)))
             yield self.env.timeout(every_s)
 
@@ -212,12 +240,14 @@ class Simulation:
         prompt = arrival.token_ids()
         outputs = arrival.output_token_ids()
         self._requests[arrival.request_id] = (arrival, outputs)
-        role = self.entry_role
-        router = self.config.prefill_router
-        candidates = self.ranks(role)
-        pick = router.pick(len(prompt), [r.load() for _, r in candidates])
-        worker, rank = next((w, r) for w, r in candidates if r.index == pick)
-        max_tokens = 1 if role == "prefill" else arrival.output_tokens
+        route = self.router.route(arrival.request_id, len(prompt), arrival.output_tokens, self.env.now)
+        if isinstance(route, TwoHop):
+            self._decode_url[arrival.request_id] = route.decode.url
+            worker, rank = self._by_url[route.prefill.url]
+        else:
+            worker, rank = self._by_url[route.worker.url]
+        rank.in_flight += 1
+        max_tokens = 1 if rank.role is Role.PREFILL else arrival.output_tokens
         request = Request(arrival.request_id, prompt, _PARAMS, 0, max_tokens, frozenset(), self.env.now)
         device = len(rank.kv.find_cached_prefix(request)) * rank.kv.block_size
         trace.hit_tokens["device"] = device
@@ -247,32 +277,43 @@ class Simulation:
             trace.token_times.append(now)
             if trace.first_token_s is None:
                 trace.first_token_s = now
+            if request.num_output_tokens == 1:
+                self.router.first_output(rank.url, request.request_id, now)
             if request.status.finished:
-                self._finished(worker, request, trace)
+                self._finished(rank, request, trace)
 
-    def _finished(self, worker: _Worker, request: Request, trace: RequestTrace) -> None:
-        arrival, _ = self._requests[request.request_id]
-        if worker.pool.role == "prefill" and arrival.output_tokens > 1:
-            self.env.process(self._handoff(arrival, request))
+    def _finished(self, rank: _Rank, request: Request, trace: RequestTrace) -> None:
+        rid, now = request.request_id, self.env.now
+        arrival, _ = self._requests[rid]
+        rank.in_flight -= 1
+        self.router.finished(rank.url, rid, now)
+        decode_url = self._decode_url.pop(rid, None)
+        if decode_url is not None and arrival.output_tokens > 1:
+            self.env.process(self._handoff(arrival, request, decode_url))
             return
-        trace.finished_s = self.env.now
-        del self._requests[request.request_id]
-        self._offsets.pop(request.request_id, None)
+        if decode_url is not None:  # one output token: the decode hop has nothing to do
+            self.router.finished(decode_url, rid, now)
+        trace.finished_s = now
+        del self._requests[rid]
+        self._offsets.pop(rid, None)
         if self.config.store is not None:
-            self.config.store.write(arrival, self.env.now)
+            self.config.store.write(arrival, now)
+        self._open -= 1
+        self._check_drained()
 
-    def _handoff(self, arrival: Arrival, prefilled: Request):
-        """Prefill done: move the prompt's KV to a decode rank and continue there."""
+    def _handoff(self, arrival: Arrival, prefilled: Request, decode_url: str):
+        """Prefill done: move the prompt's KV to the decode rank chosen for it and continue there."""
         nbytes = prefilled.num_computed_tokens * self.config.kv_bytes_per_token
         yield self.env.timeout(nbytes / self.config.kv_transfer_bytes_per_s)
-        candidates = self.ranks("decode")
+        worker, rank = self._by_url[decode_url]
+        rank.in_flight += 1
         tokens = list(prefilled.all_token_ids)
-        pick = self.config.decode_router.pick(len(tokens), [r.load() for _, r in candidates])
-        worker, rank = next((w, r) for w, r in candidates if r.index == pick)
         request = Request(
             arrival.request_id, tokens, _PARAMS, 0, arrival.output_tokens - 1, frozenset(), self.env.now
         )
         self._offsets[arrival.request_id] = 1  # the prefill worker sampled the first output token
+        request.block_hashes.extend(prefilled.block_hashes)  # same tokens, same chain
+        rank.kv.find_cached_prefix(request)  # hashes the rest
         _land(rank.kv, request, prefilled.num_computed_tokens)
         rank.scheduler.add_request(request)
         worker.notify()
@@ -281,22 +322,19 @@ class Simulation:
 def _land(kv: KVCacheManager, request: Request, num_tokens: int) -> None:
     """Put the request's first ``num_tokens`` tokens' KV into the device cache as cached (free,
     hashed) blocks, as a KV connector's load would, so the scheduler's prefix lookup finds them.
-    Blocks already cached are kept; when the pool has no free block left the rest is recomputed."""
+    Blocks already cached are kept; when the pool has no free block left the rest is recomputed.
+    The request's block hashes must be computed (``kv.find_cached_prefix`` does it)."""
     if not kv.pool.enable_prefix_caching:
         return
-    bs = kv.block_size
-    tokens = request.all_token_ids
-    parent = None
     held = []  # referenced while landing, so that allocating one block cannot evict another
-    for i in range(min(num_tokens, len(tokens) - 1) // bs):
-        parent = hash_block(parent, tokens[i * bs : (i + 1) * bs])
-        block = kv.pool.lookup(parent)
+    for block_hash in request.block_hashes[: min(num_tokens, request.num_tokens - 1) // kv.block_size]:
+        block = kv.pool.lookup(block_hash)
         if block is not None:
             kv.pool.take([block])
         elif kv.pool.num_free_blocks == 0:
             break
         else:
             block = kv.pool.allocate(1)[0]
-            kv.pool.register(block, parent)
+            kv.pool.register(block, block_hash)
         held.append(block)
     kv.pool.release(list(reversed(held)))

@@ -12,11 +12,14 @@ How a search runs (and how it scales to a cluster it cannot simulate whole):
 2. **Sizing**: for each EP width, the roofline gives the largest decode batch per rank whose step
    fits the TPOT target and the prefill rate per chip at the workload's uncached prompt; that sizes
    the prefill and decode pools for the peak hour. Candidates are these sizes and larger ones.
-3. **Step stage** (the engine's real scheduler, in cost order until one passes, at most
-   ``max_simulations``): a few decode ranks of one EP group (``decode_ranks``) and the matching share
-   of prefill ranks, fed that share of the peak-hour traffic after ``cache_warm_s`` of cache-only
-   history; when the share does not give a whole number of prefill ranks, the next whole number runs
-   with proportionally slower forward passes, so prefill capacity is exact.
+3. **Step stage** (the engine's real scheduler, the router's policies, the store's retention): a
+   share of the peak-hour traffic through a few ranks of each pool after ``cache_warm_s`` of
+   cache-only history; a pool whose share is not a whole number of ranks runs the next whole number
+   with proportionally slower forward passes, so its capacity is exact. Prefill is sized first by
+   *TTFT screens* (``prefill_ranks`` prefill ranks, every request ending at its first token: a
+   two-hop request's TTFT does not depend on the decode pool, and the screen costs a fraction of a
+   whole-cluster run), bisecting in EP groups; then decode by *whole-cluster* runs
+   (``decode_ranks`` decode ranks), bisecting on the TPOT/ITL targets (:meth:`Planner.plan`).
 """
 
 from __future__ import annotations
@@ -31,14 +34,16 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict, Field
 
 from deepinfer.engine.cost_model import StepCostModel, Work
+from deepinfer.kvstore.retention import HIGH_WATERMARK
 from deepinfer.platform.chips import SkuFacts, sku_facts
 from deepinfer.sim.cachesim import CacheStage, run_cache_stage
 from deepinfer.sim.cluster import ClusterConfig, EngineKnobs, PoolConfig, Simulation
 from deepinfer.sim.costs import DEEPSEEK_V3, ForwardCost, RooflineCost
 from deepinfer.sim.policies import (
-    TtlLruRetention,
+    TierRetention,
     expert_imbalance,
     identity_placement,
+    retention_policy,
     synthetic_expert_load,
 )
 from deepinfer.sim.report import summarise
@@ -84,19 +89,24 @@ class PlanOptions(BaseModel):
     usd_per_tb_day: float | None = Field(None, ge=0, description="KV storage price; None: storage not priced")
     host_gb_per_chip: float = Field(256, ge=0, description="host DRAM for the KV host tier, per prefill chip")
     host_read_bytes_per_s: float = Field(50e9, gt=0, description="host -> device (PCIe 5 x16, ~64 GB/s peak)")
-    store_tb_options: list[float] | None = Field(None, description="total store sizes; None: 4 derived sizes")
+    store_tb_options: list[float] | None = Field(None, description="total store sizes; None: 3 derived sizes")
     ttl_scales: list[float] = Field([1.0, 0.25], min_length=1, description="factors on each class's TTL")
     prefill_ep_options: list[int] = Field([8, 16], min_length=1)
     decode_ep_options: list[int] = Field([32, 64], min_length=1)
     expert_skew_sigma: float = Field(0.5, ge=0, description="lognormal sigma of expert popularity (assumed)")
     cache_horizon_s: float = Field(86400, gt=0)
     cache_requests: int = Field(15000, ge=1000, description="requests the day-level cache stage simulates")
-    cache_warm_s: float = Field(900, ge=0, description="cache-only history before a step-stage window")
+    cache_warm_s: float = Field(600, ge=0, description="cache-only history before a step-stage window")
     window_s: float = Field(20, gt=0, description="arrivals measured (after the warm-up)")
     warmup_s: float = Field(6, ge=0)
     drain_s: float = Field(12, ge=0, description="run on (arrivals continuing) so measured requests finish")
     decode_ranks: int = Field(2, ge=1, description="decode ranks simulated with the real scheduler")
-    max_simulations: int = Field(6, ge=1)
+    prefill_ranks: int = Field(8, ge=1, description="prefill ranks simulated by a TTFT screen")
+    screen_drain_s: float = Field(
+        4, ge=0, description="a TTFT screen's run-on (requests end at their first token)"
+    )
+    prefill_screens: int = Field(6, ge=1, description="TTFT screens (prefill pool only) sizing prefill")
+    max_simulations: int = Field(4, ge=1, description="whole-cluster simulations sizing decode")
     seed: int = 0
 
 
@@ -172,14 +182,17 @@ class Planner:
         self.peak_rate = hourly[self.peak_hour]
         self.mean_rate = statistics.fmean(hourly)
         self.kv_bytes = DEEPSEEK_V3.kv_bytes_per_token
+        self._costs: dict[int, RooflineCost] = {}
         self.log: list[str] = []
 
     # ------------------------------------------------------------------ stage 1: the cache
-    def _tiers(self, host_bytes: float, store_bytes: float) -> TieredStore:
+    def _tiers(self, host_bytes: float, store_bytes: float, ttl_scale: float) -> TieredStore:
+        """Host and store tiers under the KV store's retention policy with the classes' TTLs scaled."""
+        policy = retention_policy(self._ttl_spec(ttl_scale).ttls)
         tiers = []
         if host_bytes > 0:
-            tiers.append(Tier("host", TtlLruRetention(host_bytes), self.options.host_read_bytes_per_s, False))
-        tiers.append(Tier("store", TtlLruRetention(store_bytes), self.sku.scale_out_bytes_per_s))
+            tiers.append(Tier("host", TierRetention(policy, host_bytes), self.options.host_read_bytes_per_s))
+        tiers.append(Tier("store", TierRetention(policy, store_bytes), self.sku.scale_out_bytes_per_s))
         return TieredStore(tiers, self.kv_bytes)
 
     def _ttl_spec(self, scale: float, start_hour: float | None = None) -> WorkloadSpec:
@@ -192,7 +205,9 @@ class Planner:
     def cache_stage(self, store_tb: float, ttl_scale: float, prefill_chips: int) -> CacheStage:
         o = self.options
         share = min(1.0, o.cache_requests / (self.mean_rate * o.cache_horizon_s))
-        store = self._tiers(o.host_gb_per_chip * 1e9 * prefill_chips * share, store_tb * 1e12 * share)
+        store = self._tiers(
+            o.host_gb_per_chip * 1e9 * prefill_chips * share, store_tb * 1e12 * share, ttl_scale
+        )
         return run_cache_stage(self._ttl_spec(ttl_scale), store, o.cache_horizon_s, share, o.seed)
 
     # ------------------------------------------------------------------ stage 2: sizing
@@ -204,19 +219,41 @@ class Planner:
         return expert_imbalance(identity_placement, load, d.routed_experts, 8, 1, ep)
 
     def _cost(self, ep: int) -> RooflineCost:
-        return RooflineCost(self.sku, ep=ep, expert_imbalance=self._imbalance(ep))
+        if ep not in self._costs:
+            self._costs[ep] = RooflineCost(self.sku, ep=ep, expert_imbalance=self._imbalance(ep))
+        return self._costs[ep]
 
-    def size(self, cache: CacheStage, prefill_ep: int, decode_ep: int) -> tuple[int, int, int]:
-        """(prefill chips, decode chips, decode batch per rank) for the peak hour."""
+    def _decode_batches(self, cache: CacheStage, decode_ep: int) -> tuple[list[tuple[int, float]], float]:
+        """Decode batches at the workload's mean context that fit a rank's KV cache and its
+        sequence slots (256): (batch, output tokens/s per chip) of those whose step is within 80% of
+        the TPOT target (batch 1 always), ascending; and the most tokens/s of any within the target."""
         decode = self._cost(decode_ep)
         context = int(cache.mean_prompt_tokens + cache.mean_output_tokens / 2)
         target = min(self.slo.get(k, math.inf) for k in ("tpot_p50", "tpot_p90", "tpot_p99", "tpot_mean"))
         capacity = decode.kv_capacity_tokens() // max(1, context)
-        batch = 1
+        out = []
         for b in (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256):
-            if b <= capacity and decode.step_seconds([[(1, context)] * b]) <= 0.8 * target:
-                batch = b
-        rate = batch / decode.step_seconds([[(1, context)] * batch])
+            step = decode.step_seconds([[(1, context)] * b])
+            if b == 1 or (b <= capacity and step <= target):
+                out.append((b, b / step, step))
+        return [(b, rate) for b, rate, step in out if b == 1 or step <= 0.8 * target], max(
+            r for _, r, _ in out
+        )
+
+    PRUNE_MARGIN = 2.0  # the mean-context roofline understates a decode rank's rate by up to ~1.5x
+
+    def decode_miss(self, cache: CacheStage, d: Deployment) -> float | None:
+        """Analytic pre-screen: needed / attainable output tokens/s per decode chip, when the pool
+        needs more than ``PRUNE_MARGIN`` times what any batch meeting the TPOT target attains at
+        the mean context (None: it may meet it; simulate it)."""
+        _, ceiling = self._decode_batches(cache, d.decode_ep)
+        need = self.peak_rate * cache.mean_output_tokens / d.decode_chips
+        return need / ceiling if need > self.PRUNE_MARGIN * ceiling else None
+
+    def size(self, cache: CacheStage, prefill_ep: int, decode_ep: int) -> tuple[int, int, int]:
+        """(prefill chips, decode chips, decode batch per rank) for the peak hour."""
+        batches, _ = self._decode_batches(cache, decode_ep)
+        batch, rate = batches[-1]
         out_per_s = self.peak_rate * cache.mean_output_tokens
         decode_chips = decode_ep * max(1, math.ceil(out_per_s / rate / decode_ep))
         prefill = self._cost(prefill_ep)
@@ -230,15 +267,25 @@ class Planner:
         return prefill_chips, decode_chips, batch
 
     # ------------------------------------------------------------------ stage 3: simulate
-    def simulate(self, d: Deployment) -> dict:
+    def simulate(self, d: Deployment, ttft_only: bool = False) -> dict:
+        """The step stage for ``d``: a share of the peak-hour traffic through a few ranks of each pool
+        (the engine's scheduler, the router's policies, the store's retention).
+
+        Whole cluster (``ttft_only`` False): ``decode_ranks`` decode ranks and the matching share of
+        prefill ranks. TTFT screen: ``prefill_ranks`` prefill ranks and the matching share of decode
+        ranks, every request ending at its first token. A two-hop request's first token is sampled
+        on its prefill rank, which nothing downstream feeds back into (no back-pressure), so the
+        screen's TTFTs are those of the whole cluster at the same share, for a fraction of the decode
+        steps; it also takes a larger share (more samples for a tail percentile) at the same cost.
+        A pool whose share is not a whole number of ranks runs the next whole number, split evenly
+        over its EP groups, with proportionally slower forward passes, so its capacity is exact."""
         o = self.options
-        d_sim = min(o.decode_ranks, d.decode_chips)
-        share = d_sim / d.decode_chips
-        p_exact = share * d.prefill_chips
-        p_sim = max(1, math.ceil(p_exact - 1e-9))
+        if ttft_only:
+            share = min(1.0, o.prefill_ranks / d.prefill_chips)
+        else:
+            share = min(o.decode_ranks, d.decode_chips) / d.decode_chips
         prefill_cost = self._cost(d.prefill_ep)
         decode_cost = self._cost(d.decode_ep)
-        pcost: ForwardCost = _Scaled(prefill_cost, p_sim / p_exact) if p_sim != p_exact else prefill_cost
         block = 64
         prefill_knobs = EngineKnobs(
             num_blocks=prefill_cost.kv_capacity_tokens() // block, block_size=block,
@@ -248,22 +295,20 @@ class Planner:
             num_blocks=decode_cost.kv_capacity_tokens() // block, block_size=block,
             max_num_batched_tokens=2048, max_num_seqs=256,
         )  # fmt: skip
+        prefill, p_sim = _pool("prefill", share * d.prefill_chips, d.prefill_ep, prefill_cost, prefill_knobs)
+        decode, d_sim = _pool("decode", share * d.decode_chips, d.decode_ep, decode_cost, decode_knobs)
         start = (self.peak_hour - o.cache_warm_s / 3600) % 24
-        store = self._tiers(o.host_gb_per_chip * 1e9 * p_exact, d.store_tb * 1e12 * share)
-        config = ClusterConfig(
-            [
-                PoolConfig(
-                    "prefill", math.ceil(p_sim / d.prefill_ep), min(p_sim, d.prefill_ep), pcost, prefill_knobs
-                ),
-                PoolConfig("decode", 1, d_sim, decode_cost, decode_knobs),
-            ],
-            store=store,
-            kv_transfer_bytes_per_s=self.sku.scale_out_bytes_per_s * 0.7,
-            kv_bytes_per_token=self.kv_bytes,
+        store = self._tiers(
+            o.host_gb_per_chip * 1e9 * share * d.prefill_chips, d.store_tb * 1e12 * share, d.ttl_scale
         )
+        config = ClusterConfig(
+            [prefill, decode], store=store, kv_transfer_bytes_per_s=self.sku.scale_out_bytes_per_s * 0.7,
+            kv_bytes_per_token=self.kv_bytes,
+        )  # fmt: skip
         sim = Simulation(config)
         end = o.cache_warm_s + o.window_s
-        trace = arrivals(self._ttl_spec(d.ttl_scale, start), end + o.drain_s, o.seed + 1, share)
+        drain = o.screen_drain_s if ttft_only else o.drain_s
+        trace = arrivals(self._ttl_spec(d.ttl_scale, start), end + drain, o.seed + 1, share)
         # Cache-only history, then the window through the scheduler.
         window = []
         for arrival in trace:
@@ -271,22 +316,27 @@ class Planner:
                 store.lookup(arrival, 0, arrival.time)
                 store.write(arrival, arrival.time)
             else:
-                window.append(arrival)
+                window.append(replace(arrival, output_tokens=1) if ttft_only else arrival)
         sim.env.run(until=o.cache_warm_s)
-        sim.run(window, until=end + o.drain_s)
-        result = summarise(sim, o.cache_warm_s + o.warmup_s, end, p_exact + d_sim)
-        result["simulated"] = {"prefill_ranks": p_sim, "prefill_ranks_represented": p_exact, "decode_ranks": d_sim,
-                               "traffic_share": share}  # fmt: skip
+        sim.run(window, until=end + drain)
+        chips = share * d.chips
+        result = summarise(sim, o.cache_warm_s + o.warmup_s, end, chips)
+        result["simulated"] = {"kind": "ttft screen" if ttft_only else "whole cluster", "prefill_ranks": p_sim,
+                               "decode_ranks": d_sim, "chips_represented": chips, "traffic_share": share,
+                               "routes": dict(sim.router.routes)}  # fmt: skip
         return result
 
     def usd_per_day(self, d: Deployment) -> float:
         storage = d.store_tb * self.options.usd_per_tb_day if self.options.usd_per_tb_day is not None else 0.0
         return d.chips * self.price * 24 + storage
 
-    def check(self, result: dict) -> dict[str, float]:
+    def check(self, result: dict, ttft_only: bool = False) -> dict[str, float]:
+        """SLO -> measured / target for each missed target (a TTFT screen checks the TTFT ones)."""
         misses = {}
         for name, target in self.slo.items():
             metric, stat = name.rsplit("_", 1)
+            if ttft_only and metric != "ttft":
+                continue
             value = result[f"{metric}_s"][stat]
             if not value <= target:  # NaN (nothing finished) misses too
                 misses[name] = value / target if value == value else math.inf
@@ -301,18 +351,28 @@ class Planner:
         o = self.options
         host_chips = o.prefill_ep_options[0] * 8
         unbounded = self.cache_stage(math.inf, max(o.ttl_scales), host_chips)
-        peak_tb = max(sum(occ.values()) for _, occ in unbounded.occupancy_tb)
+        # The largest derived size holds the unbounded run's peak under the store's high watermark:
+        # it never evicts, so that run is its cache stage.
+        peak_tb = math.ceil(max(occ["store"] for _, occ in unbounded.occupancy_tb) / HIGH_WATERMARK * 10) / 10
         sizes = o.store_tb_options or [round(peak_tb * f, 1) for f in (0.25, 0.5, 1.0)]
         if o.usd_per_tb_day is None:
-            return {
-                (max(sizes), max(o.ttl_scales)): self.cache_stage(max(sizes), max(o.ttl_scales), host_chips)
-            }
+            largest = (max(sizes), max(o.ttl_scales))
+            if o.store_tb_options is None:
+                return {largest: unbounded}
+            return {largest: self.cache_stage(*largest, host_chips)}
         return {(size, t): self.cache_stage(size, t, host_chips) for size in sizes for t in o.ttl_scales}
 
     def plan(self) -> dict:
-        """Size analytically, then simulate the cheapest candidate and move the pool that misses
-        (prefill for TTFT, decode for TPOT/ITL or unfinished requests) until one meets every target;
-        then try one EP group less of the pool with more slack. Stops after ``max_simulations``."""
+        """Size analytically, then search each pool by simulation, in units of its EP group:
+
+        1. prefill: TTFT screens (:meth:`simulate` with ``ttft_only``) from the analytic size, growing
+           by the miss until one meets every TTFT target, then bisecting between the largest size
+           that missed and the smallest that met (at most ``prefill_screens``);
+        2. decode: whole-cluster simulations at that prefill size, the same way on the TPOT/ITL
+           targets and the finished share (at most ``max_simulations``); one that misses a TTFT
+           target there grows the prefill pool instead.
+
+        Returns the cheapest deployment that met every target in a whole-cluster simulation."""
         t0 = time.perf_counter()
         o = self.options
         caches = self.cache_options()
@@ -323,22 +383,45 @@ class Planner:
                     p, dchips, _ = self.size(cache, pep, dep)
                     analytic.append(Deployment(self.sku.key, p, pep, dchips, dep, store_tb, scale))
         analytic.sort(key=lambda c: (self.usd_per_day(c), c.chips))
+        d = analytic[0]
+        screens: list[Evaluation] = []
         evaluations: list[Evaluation] = []
-        seen: set[Deployment] = set()
+
+        def screen(units: int) -> tuple[bool, float]:
+            e = self._evaluate(replace(d, prefill_chips=units * d.prefill_ep), True)
+            screens.append(e)
+            return e.meets, max(e.misses.values(), default=1.0)
+
+        prefill_units = _bisect(d.prefill_chips // d.prefill_ep, screen, o.prefill_screens)
+        d = replace(d, prefill_chips=prefill_units * d.prefill_ep)
         best: Evaluation | None = None
-        d: Deployment | None = analytic[0]
-        while d is not None and d not in seen and len(evaluations) < o.max_simulations:
-            seen.add(d)
-            result = self.simulate(d)
-            e = Evaluation(d, self.usd_per_day(d), result, self.check(result))
-            evaluations.append(e)
-            if e.meets:
-                best = e if best is None or e.usd_per_day < best.usd_per_day else best
-                d = self._shrink(e)
-            elif best is not None:
-                break  # the smaller one failed: the last passing one is the cheapest found
-            else:
-                d = self._grow(e)
+
+        pruned: list[dict] = []
+        cache = caches[(d.store_tb, d.ttl_scale)]
+
+        def whole(units: int) -> tuple[bool, float]:
+            nonlocal d, best
+            miss = self.decode_miss(cache, replace(d, decode_chips=units * d.decode_ep))
+            if miss is not None:
+                pruned.append({"deployment": replace(d, decode_chips=units * d.decode_ep).describe(),
+                               "decode_output_rate_needed_over_attainable": miss})  # fmt: skip
+                return False, miss
+            while True:
+                e = self._evaluate(replace(d, decode_chips=units * d.decode_ep), False)
+                evaluations.append(e)
+                if e.meets and (best is None or e.usd_per_day < best.usd_per_day):
+                    best = e
+                ttft = [v for k, v in e.misses.items() if k.startswith("ttft")]
+                if not ttft or len(evaluations) >= o.max_simulations:
+                    break
+                grown = math.ceil(d.prefill_chips / d.prefill_ep * _growth(max(ttft)))
+                d = replace(d, prefill_chips=grown * d.prefill_ep)
+            decode = {k: v for k, v in e.misses.items() if not k.startswith("ttft")}
+            return not decode, max(decode.values(), default=1.0)
+
+        _bisect(
+            d.decode_chips // d.decode_ep, whole, o.max_simulations, lambda: len(evaluations) + len(pruned)
+        )
         elapsed = time.perf_counter() - t0
         if best is None:
             closest = min(evaluations, key=lambda e: max(e.misses.values()))
@@ -353,41 +436,16 @@ class Planner:
                 f"{len(evaluations)} simulated; closest: {closest.deployment.describe()} misses by {detail}",
                 {"deployment": asdict(closest.deployment), "misses": closest.misses},
             )
-        cache = caches[(best.deployment.store_tb, best.deployment.ttl_scale)]
-        return self._report(best, cache, evaluations, caches, analytic, elapsed)
+        report = self._report(best, cache, screens, evaluations, caches, analytic, elapsed)
+        report["pruned_analytically"] = pruned
+        return report
 
-    def _grow(self, e: Evaluation) -> Deployment:
-        d, m = e.deployment, e.misses
-        latency = [v for k, v in m.items() if k.startswith(("tpot", "itl"))]
-        factor = lambda miss: min(2.0, max(1.25, miss))  # noqa: E731
-        prefill, decode = d.prefill_chips, d.decode_chips
-        if any(k.startswith("ttft") for k in m):
-            prefill = d.prefill_ep * math.ceil(
-                prefill * factor(max(v for k, v in m.items() if k.startswith("ttft"))) / d.prefill_ep
-            )
-        if latency or (list(m) == ["finished_share"]):
-            decode = d.decode_ep * math.ceil(
-                decode * factor(max(latency or [m["finished_share"]])) / d.decode_ep
-            )
-        return replace(d, prefill_chips=prefill, decode_chips=decode)
-
-    def _shrink(self, e: Evaluation) -> Deployment | None:
-        """One EP group less of the pool whose targets have the most slack (None: both at one group)."""
-        d = e.deployment
-        slack = {}
-        for name, target in self.slo.items():
-            metric, stat = name.rsplit("_", 1)
-            pool = "prefill" if metric == "ttft" else "decode"
-            slack[pool] = min(slack.get(pool, math.inf), target / e.result[f"{metric}_s"][stat])
-        for pool in sorted(slack, key=slack.get, reverse=True):
-            if pool == "prefill" and d.prefill_chips > d.prefill_ep:
-                return replace(d, prefill_chips=d.prefill_chips - d.prefill_ep)
-            if pool == "decode" and d.decode_chips > d.decode_ep:
-                return replace(d, decode_chips=d.decode_chips - d.decode_ep)
-        return None
+    def _evaluate(self, d: Deployment, ttft_only: bool) -> Evaluation:
+        result = self.simulate(d, ttft_only)
+        return Evaluation(d, self.usd_per_day(d), result, self.check(result, ttft_only))
 
     def _report(
-        self, best: Evaluation, cache: CacheStage, evaluations, caches, analytic, elapsed: float
+        self, best: Evaluation, cache: CacheStage, screens, evaluations, caches, analytic, elapsed: float
     ) -> dict:
         d = best.deployment
         day = 86400
@@ -427,12 +485,60 @@ class Planner:
                  "ttft_p99_s": e.result["ttft_s"]["p99"], "tpot_p99_s": e.result["tpot_s"]["p99"]}
                 for e in evaluations
             ],
+            "ttft_screens": [
+                {"deployment": e.deployment.describe(), "meets": e.meets, "misses": e.misses,
+                 "ttft_p99_s": e.result["ttft_s"]["p99"], "requests": e.result["requests_arrived"]}
+                for e in screens
+            ],
             "cache_options": {f"{s} TB x{t}": c.hit_rate for (s, t), c in caches.items()},
             "analytic_candidates": [
                 {"deployment": c.describe(), "usd_per_day": self.usd_per_day(c)} for c in analytic
             ],
             "elapsed_s": elapsed,
         }  # fmt: skip
+
+
+def _growth(miss: float) -> float:
+    """How much larger to make a pool that missed its target by ``miss`` (measured / target)."""
+    return min(2.0, max(1.25, miss))
+
+
+def _pool(
+    role: str, exact_ranks: float, ep: int, cost: ForwardCost, knobs: EngineKnobs
+) -> tuple[PoolConfig, int]:
+    """A pool of the next whole number of ranks at or above ``exact_ranks`` (at least one), split
+    evenly over EP groups of at most ``ep`` ranks, forward passes slowed by simulated / exact ranks so
+    that its capacity is that of ``exact_ranks``. Returns the pool and its simulated ranks."""
+    ranks = max(1, math.ceil(exact_ranks - 1e-9))
+    workers = math.ceil(ranks / ep)
+    per_worker = math.ceil(ranks / workers)
+    factor = workers * per_worker / exact_ranks
+    scaled = cost if abs(factor - 1) < 1e-9 else _Scaled(cost, factor)
+    return PoolConfig(role, workers, per_worker, scaled, knobs), workers * per_worker
+
+
+def _bisect(start: int, meets, budget: int, used=None) -> int:
+    """The smallest size (>= 1) for which ``meets(size) -> (ok, miss)`` holds, searched from
+    ``start``: grow by the miss until one meets, then bisect between the largest size that missed
+    and the smallest that met. ``used()`` counts evaluations spent (default: calls); stops when it
+    reaches ``budget``. Returns the smallest size found to meet, or the last one tried if none did."""
+    calls = 0
+    used = used or (lambda: calls)
+    failed, passed, size = 0, None, max(1, start)
+    while used() < budget:
+        calls += 1
+        ok, miss = meets(size)
+        if ok:
+            passed = size
+        else:
+            failed = max(failed, size)
+        if passed is None:
+            size = max(size + 1, math.ceil(size * _growth(miss)))
+        elif passed - failed <= 1:
+            break
+        else:
+            size = (failed + passed) // 2 if failed else max(1, passed // 2)
+    return passed if passed is not None else size
 
 
 def plot(report: dict, path: Path, pareto: list[tuple[float, float, str]]) -> None:

@@ -1,132 +1,108 @@
-"""The policies the simulator drives, behind the interfaces the serving system's own code implements.
+"""The KV store's retention and the expert placement, as the simulator drives them.
 
-Four seams, each a small protocol, each with the implementation the simulator uses today:
-
-- :class:`RetentionPolicy` — which KV entries a cache tier keeps (TTL by traffic class, capacity
-  eviction), clock injected. Stand-in: :class:`TtlLruRetention` (TTL refreshed on use, least recently
-  used evicted past capacity). The KV store's own pure retention module replaces it.
-- :class:`Router` — which rank of a pool gets a request, from a load snapshot. Stand-ins:
-  :class:`PredictedTimeRouter` (prefill: least predicted queue time from the rank's cost model,
-  cache-agnostic as DeepSeek's is) and :class:`ActiveLoadRouter` (decode: active requests and KV
-  tokens). The P/D router module replaces them.
+- Retention: the KV store's own pure policy (:mod:`deepinfer.kvstore.retention`: per-traffic-class
+  TTLs, watermark eviction of expired then least recently used entries), on the simulated clock;
+  :class:`TierRetention` keeps one tier's entries, as the store's tiers do, and asks the policy.
 - :data:`ExpertPlacer` — DeepSeek's EPLB signature ``rebalance_experts(weight, num_replicas,
   num_groups, num_nodes, num_gpus) -> (phy2log, log2phy, logcnt)``. Stand-in:
   :func:`identity_placement` (no redundant experts, logical expert i on GPU i // (E / gpus): what a
   deployment without EPLB gets). The parallel package's ``rebalance_experts`` drops in unchanged.
 
-The scheduler and time-budget chunking are not stand-ins: the simulator runs the engine's own.
+The scheduler and time-budget chunking are the engine's own (:mod:`deepinfer.sim.cluster`), and so
+are the router's policies and load bookkeeping (:mod:`deepinfer.sim.routing`).
 """
 
 from __future__ import annotations
 
-import heapq
-from collections import OrderedDict
-from collections.abc import Callable, Hashable, Sequence
-from dataclasses import dataclass
-from typing import Protocol
+from collections.abc import Callable, Hashable, Mapping
 
 import numpy as np
 
+from deepinfer.kvstore.retention import (
+    HIGH_WATERMARK,
+    Entry,
+    RetentionPolicy,
+    expired,
+    is_expired,
+    plan_eviction,
+)
+
 
 # --------------------------------------------------------------------------- retention
-class RetentionPolicy(Protocol):
-    capacity_bytes: float
-
-    def touch(self, key: Hashable, nbytes: float, ttl_s: float, now: float) -> None:
-        """Write ``key`` (or refresh it, when present) at time ``now``, kept ``ttl_s`` from now."""
-
-    def contains(self, key: Hashable, now: float) -> bool:
-        """Whether ``key`` is held (and unexpired) at ``now``; counts as a use for eviction order."""
-
-    def used_bytes(self, now: float) -> float:
-        """Bytes held at ``now`` (expired entries dropped)."""
+def retention_policy(classes: Mapping[str, float]) -> RetentionPolicy:
+    """The KV store's policy for a workload's traffic classes (name -> TTL seconds); the first class
+    is the default, as a store configured with those classes would have it."""
+    if not classes:
+        raise ValueError("a retention policy needs at least one traffic class")
+    return RetentionPolicy(dict(classes), next(iter(classes)))
 
 
-class TtlLruRetention:
-    """TTL per entry (refreshed on every use) and least-recently-used eviction past capacity."""
+class TierRetention:
+    """One simulated tier's entries under the KV store's own retention policy
+    (:mod:`deepinfer.kvstore.retention`: per-class TTL extended by saves and hits, never shortened;
+    expired entries never served; past the high watermark, expired then least recently used entries
+    evicted down to the low watermark; a save that still does not fit is refused).
 
-    def __init__(self, capacity_bytes: float) -> None:
+    The bookkeeping a tier keeps (its entries, the bytes they use) is here, as the store's file and
+    host tiers keep theirs; every decision is the policy module's. Keys are any hashable (the
+    workload's segment keys), sizes in bytes."""
+
+    def __init__(self, policy: RetentionPolicy, capacity_bytes: float) -> None:
         if capacity_bytes < 0:
             raise ValueError(f"capacity_bytes must be >= 0, got {capacity_bytes}")
+        self.policy = policy
         self.capacity_bytes = capacity_bytes
-        self._entries: OrderedDict[Hashable, tuple[float, float]] = OrderedDict()  # key -> (bytes, expiry)
-        self._expiries: list[tuple[float, int, Hashable]] = []
-        self._seq = 0
+        self._entries: dict[Hashable, Entry] = {}
         self._used = 0.0
         self.evicted_bytes = 0.0
         self.expired_bytes = 0.0
+        self.refused_bytes = 0.0
 
-    def _expire(self, now: float) -> None:
-        while self._expiries and self._expiries[0][0] <= now:
-            expiry, _, key = heapq.heappop(self._expiries)
-            entry = self._entries.get(key)
-            if entry is not None and entry[1] == expiry:
-                del self._entries[key]
-                self._used -= entry[0]
-                self.expired_bytes += entry[0]
-
-    def touch(self, key: Hashable, nbytes: float, ttl_s: float, now: float) -> None:
-        self._expire(now)
-        if nbytes > self.capacity_bytes:
-            return
-        old = self._entries.pop(key, None)
-        if old is not None:
-            self._used -= old[0]
-        expiry = now + ttl_s
-        self._entries[key] = (nbytes, expiry)
-        self._used += nbytes
-        self._seq += 1
-        heapq.heappush(self._expiries, (expiry, self._seq, key))
-        while self._used > self.capacity_bytes:
-            _, (size, _) = self._entries.popitem(last=False)
-            self._used -= size
-            self.evicted_bytes += size
-
-    def contains(self, key: Hashable, now: float) -> bool:
-        self._expire(now)
-        if key not in self._entries:
+    def contains(self, key: Hashable, cls: str, now: float) -> bool:
+        """Whether ``key`` is held unexpired at ``now``; a hit by ``cls`` (last use now, expiry
+        extended for the class)."""
+        entry = self._entries.get(key)
+        if entry is None or is_expired(entry, now):
             return False
-        self._entries.move_to_end(key)
+        entry.last_used = now
+        entry.expires_at = self.policy.expiry(entry.expires_at, now, cls)
         return True
 
+    def save(self, key: Hashable, nbytes: float, cls: str, now: float) -> None:
+        """Write ``key`` for ``cls`` at ``now`` (a held, unexpired key is only touched, as the
+        store's write-once tiers do)."""
+        if self.contains(key, cls, now):
+            return
+        stale = self._entries.get(key)
+        if stale is not None:  # expired: collected, then written afresh
+            self._remove(key, expired=True)
+        if self._used + nbytes > HIGH_WATERMARK * self.capacity_bytes:
+            victims, fits = plan_eviction(self._entries.values(), now, self.capacity_bytes, nbytes)
+            for victim in victims:
+                self._remove(victim, expired=is_expired(self._entries[victim], now))
+            if not fits:
+                self.refused_bytes += nbytes
+                return
+        self._entries[key] = Entry(key, nbytes, now, self.policy.expiry(None, now, cls))
+        self._used += nbytes
+
+    def collect(self, now: float) -> None:
+        """Remove the expired entries (the store's ``collect`` / ``deepinfer kvstore gc``)."""
+        for key in expired(self._entries.values(), now):
+            self._remove(key, expired=True)
+
     def used_bytes(self, now: float) -> float:
-        self._expire(now)
+        """Bytes held at ``now``, after collecting the expired entries."""
+        self.collect(now)
         return self._used
 
-
-# --------------------------------------------------------------------------- routing
-@dataclass(frozen=True, slots=True)
-class RankLoad:
-    """A router's view of one rank: queued prompt work, running requests, KV tokens held."""
-
-    rank: int
-    predicted_queue_s: float  # the rank's cost model over its waiting and unfinished prompt work
-    active_requests: int
-    kv_tokens: int
-
-
-class Router(Protocol):
-    def pick(self, prompt_tokens: int, loads: Sequence[RankLoad]) -> int:
-        """The rank (``RankLoad.rank``) that gets a request of ``prompt_tokens`` tokens."""
-
-
-class PredictedTimeRouter:
-    """Prefill: the rank whose queue the cost model predicts to drain first; ties to the lowest id."""
-
-    def pick(self, prompt_tokens: int, loads: Sequence[RankLoad]) -> int:
-        return min(loads, key=lambda r: (r.predicted_queue_s, r.rank)).rank
-
-
-class ActiveLoadRouter:
-    """Decode: fewest active requests plus KV tokens in units of ``tokens_per_request``."""
-
-    def __init__(self, tokens_per_request: float = 4096.0) -> None:
-        self.tokens_per_request = tokens_per_request
-
-    def pick(self, prompt_tokens: int, loads: Sequence[RankLoad]) -> int:
-        return min(
-            loads, key=lambda r: (r.active_requests + r.kv_tokens / self.tokens_per_request, r.rank)
-        ).rank
+    def _remove(self, key: Hashable, expired: bool) -> None:
+        entry = self._entries.pop(key)
+        self._used -= entry.size
+        if expired:
+            self.expired_bytes += entry.size
+        else:
+            self.evicted_bytes += entry.size
 
 
 # --------------------------------------------------------------------------- expert placement

@@ -1,28 +1,27 @@
 """The KV cache tiers below a worker's device memory: host memory and the shared store.
 
-Created by the simulator with one :class:`~deepinfer.sim.policies.RetentionPolicy` per tier; the
-device tier is not here (it is the engine's own block pool inside each simulated rank). Granularity
+Created by the simulator with one :class:`~deepinfer.sim.policies.TierRetention` per tier (the KV
+store's own retention policy: per-class TTLs, watermark eviction); the device tier is not here (it is the engine's own block pool inside each simulated rank). Granularity
 is the workload's prompt segment (a system prefix, one earlier turn): a segment's blocks are written
 and read together, so a segment is held whole or not at all, and a prompt hits the longest chain of
 held segments from its start. Every finished request writes its prompt's segments and its own turn
-through to every tier (DeepSeek persists all KV to 3FS); a hit refreshes the entry.
+through to every tier (DeepSeek persists all KV to 3FS); a hit refreshes the entry for the hitting
+request's traffic class, as the store's tiers do.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
-from deepinfer.sim.policies import RetentionPolicy
+from deepinfer.sim.policies import TierRetention
 from deepinfer.sim.workload import Arrival, Segment
 
 
 @dataclass(slots=True)
 class Tier:
     name: str
-    policy: RetentionPolicy
+    policy: TierRetention
     read_bytes_per_s: float  # into device memory
-    honours_ttl: bool = True  # the store expires by traffic class; host memory only evicts by capacity
 
 
 @dataclass(slots=True)
@@ -44,7 +43,9 @@ class TieredStore:
         position = 0
         for segment in arrival.segments[:-1]:
             end = position + segment.tokens
-            source = next((t for t in self.tiers if t.policy.contains(segment.key, now)), None)
+            source = next(
+                (t for t in self.tiers if t.policy.contains(segment.key, arrival.traffic_class, now)), None
+            )
             if source is None:
                 break
             if end > skip_tokens:
@@ -63,7 +64,7 @@ class TieredStore:
         for segment in (*arrival.segments[:-1], turn):
             nbytes = segment.tokens * self.kv_bytes_per_token
             for tier in self.tiers:
-                tier.policy.touch(segment.key, nbytes, arrival.ttl_s if tier.honours_ttl else math.inf, now)
+                tier.policy.save(segment.key, nbytes, arrival.traffic_class, now)
 
     def occupancy(self, now: float) -> dict[str, float]:
         return {t.name: t.policy.used_bytes(now) for t in self.tiers}

@@ -93,7 +93,7 @@ def simulate_trace(
 ) -> dict:  # fmt: skip
     """The simulator's figures for the trace, in the load generator's terms."""
     arrivals = [
-        Arrival(t, f"r{i}", "code", 1.0, (Segment(("prompt", i), len(p)),), spec.output_len, tuple(p))
+        Arrival(t, f"r{i}", "code", (Segment(("prompt", i), len(p)),), spec.output_len, tuple(p))
         for i, (t, p) in enumerate(zip(arrival_times(spec), prompts))
     ]
     knobs = EngineKnobs(

@@ -15,7 +15,9 @@ Token ids are derived from the key, so equal prefixes hash to equal KV blocks in
 
 from __future__ import annotations
 
+import functools
 import heapq
+import itertools
 import math
 import random
 import zlib
@@ -24,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 _VOCAB = 1 << 20  # synthetic token ids: any value works, the engine's prefix cache only hashes them
@@ -133,6 +136,11 @@ class WorkloadSpec(BaseModel):
     def rate_per_s(self) -> float:
         return sum(c.rate_per_s for c in self.classes)
 
+    @property
+    def ttls(self) -> dict[str, float]:
+        """Traffic class -> store TTL in seconds (the KV store's retention configuration)."""
+        return {c.name: c.ttl_s for c in self.classes}
+
 
 @dataclass(frozen=True, slots=True)
 class Segment:
@@ -148,8 +156,7 @@ class Arrival:
 
     time: float
     request_id: str
-    traffic_class: str
-    ttl_s: float
+    traffic_class: str  # its TTL is the retention policy's (the class's ``ttl_s``)
     segments: tuple[Segment, ...]
     output_tokens: int
     explicit_prompt_ids: tuple[int, ...] | None = None  # a replayed real trace's prompt (segments: one)
@@ -161,13 +168,14 @@ class Arrival:
     def token_ids(self) -> list[int]:
         if self.explicit_prompt_ids is not None:
             return list(self.explicit_prompt_ids)
-        return [t for s in self.segments for t in segment_token_ids(s)]
+        return list(itertools.chain.from_iterable(segment_token_ids(s) for s in self.segments))
 
-    def output_token_ids(self) -> list[int]:
+    def output_token_ids(self) -> tuple[int, ...]:
         return segment_token_ids(Segment(("out", self.request_id), self.output_tokens))
 
 
-def segment_token_ids(segment: Segment) -> list[int]:
+@functools.lru_cache(maxsize=8192)  # a session's turns re-read its system prompt and earlier turns
+def segment_token_ids(segment: Segment) -> tuple[int, ...]:
     """Deterministic synthetic ids for a segment's tokens (equal keys give equal ids). A past turn's
     ids are its input's followed by its output's, as the engine saw them."""
     key = segment.key
@@ -177,7 +185,7 @@ def segment_token_ids(segment: Segment) -> list[int]:
             Segment(("out", request_id), segment.tokens - input_tokens)
         )
     base = zlib.crc32(repr(key).encode()) % _VOCAB
-    return [(base + 7919 * i) % _VOCAB for i in range(segment.tokens)]
+    return tuple(((base + 7919 * np.arange(segment.tokens, dtype=np.int64)) % _VOCAB).tolist())
 
 
 def arrivals(spec: WorkloadSpec, duration_s: float, seed: int = 0, share: float = 1.0) -> Iterator[Arrival]:
@@ -219,7 +227,7 @@ def arrivals(spec: WorkloadSpec, duration_s: float, seed: int = 0, share: float 
         new_input = Segment(("in", session, turn), max(1, round(cls.input_tokens.sample(rng))))
         output = max(1, round(cls.output_tokens.sample(rng)))
         request_id = f"{cls.name}-{session[1]}-{turn}"
-        yield Arrival(t, request_id, cls.name, cls.ttl_s, (*history, new_input), output)
+        yield Arrival(t, request_id, cls.name, (*history, new_input), output)
         # The next turn: geometric number of turns with the class's mean.
         if rng.random() < 1 - 1 / cls.turns_per_session:
             turn_segment = Segment(

@@ -16,7 +16,14 @@ import torch
 from torch import Tensor
 
 from deepinfer.engine.sched_output import ScheduledRequest
-from deepinfer.model.attn_metadata import AttentionMetadata, DecodeMetadata, PrefillMetadata
+from deepinfer.model.attn_metadata import (
+    CONTEXT_TILE_TOKENS,
+    AttentionMetadata,
+    ContextTile,
+    DecodeMetadata,
+    PrefillMetadata,
+)
+from deepinfer.worker.block_table import BlockTable
 
 
 @dataclass(slots=True)
@@ -31,12 +38,22 @@ class StepInputs:
 
 
 class InputBuilder:
-    def __init__(self, block_size: int, device: torch.device, decode_query_len: int = 1) -> None:
+    def __init__(
+        self,
+        block_size: int,
+        device: torch.device,
+        decode_query_len: int = 1,
+        context_tile: int = CONTEXT_TILE_TOKENS,
+    ) -> None:
         """``decode_query_len``: requests computing at most this many tokens (one plus their drafts)
-        take the absorbed decode path."""
+        take the absorbed decode path; ``context_tile``: keys per tile of a long cached context."""
+        if context_tile < 1:
+            raise ValueError(f"context_tile must be >= 1, got {context_tile}")
         self.block_size = block_size
         self.device = device
         self.decode_query_len = decode_query_len
+        self.context_tile = context_tile
+        self.block_table = BlockTable()
 
     def prepare(self, requests: Sequence[ScheduledRequest]) -> StepInputs:
         """Tensors of one step on the device: decode requests first, then prefill chunks."""
@@ -48,14 +65,12 @@ class InputBuilder:
         starts = np.array([r.num_computed_tokens for r in order], dtype=np.int64)
         seq_lens = starts + query_lens
         offsets = np.concatenate(([0], np.cumsum(query_lens)))
-        width = max(len(r.block_ids) for r in order)
-        table = np.zeros((len(order), width), dtype=np.int64)
-        for i, r in enumerate(order):
-            table[i, : len(r.block_ids)] = r.block_ids
+        rows = self.block_table.update([r.request_id for r in order], [r.block_ids for r in order])
+        table = self.block_table.array  # [rows, width] int32; request i's blocks are row rows[i]
 
         req_of_token = np.repeat(np.arange(len(order)), query_lens)
         positions = starts[req_of_token] + (np.arange(offsets[-1]) - offsets[req_of_token])
-        slots = table[req_of_token, positions // bs] * bs + positions % bs
+        slots = table[rows[req_of_token], positions // bs].astype(np.int64) * bs + positions % bs
         input_ids = np.fromiter(
             (t for r in order for t in r.token_ids), dtype=np.int64, count=int(offsets[-1])
         )
@@ -66,7 +81,9 @@ class InputBuilder:
         if decode:
             decode_meta = DecodeMetadata(
                 num_tokens=int(offsets[num_decode]),
-                block_table=torch.from_numpy(table[:num_decode].astype(np.int32)).to(dev),
+                block_table=self.block_table.gather(
+                    rows[:num_decode], max(len(r.block_ids) for r in decode)
+                ).to(dev),
                 seq_lens=torch.from_numpy(seq_lens[:num_decode].astype(np.int32)).to(dev),
                 query_start_loc=torch.from_numpy(offsets[: num_decode + 1].astype(np.int32)).to(dev),
                 max_query_len=int(query_lens[:num_decode].max()),
@@ -77,7 +94,7 @@ class InputBuilder:
             if (starts[num_decode:] > 0).any():
                 context_slots = np.concatenate(
                     [
-                        table[i, np.arange(n) // bs] * bs + np.arange(n) % bs
+                        table[rows[i], np.arange(n) // bs].astype(np.int64) * bs + np.arange(n) % bs
                         for i, n in enumerate(p_k, num_decode)
                     ]
                 )
@@ -88,6 +105,7 @@ class InputBuilder:
                 max_seqlen_q=int(p_q.max()),
                 max_seqlen_k=int(p_k.max()),
                 context_slots=context_slots,
+                context_tiles=self._context_tiles(rows[num_decode:], starts[num_decode:], p_q),
             )
         meta = AttentionMetadata(torch.from_numpy(slots).to(dev), decode_meta, prefill_meta)
         floors = np.array([r.write_floor for r in order], dtype=np.int64)
@@ -102,3 +120,43 @@ class InputBuilder:
             order,
             offsets[:-1].tolist(),
         )
+
+    def _context_tiles(
+        self, rows: np.ndarray, context: np.ndarray, query_lens: np.ndarray
+    ) -> tuple[ContextTile, ...]:
+        """Cut the prefill requests' cached context (positions ``[0, context[i])`` of request ``i``,
+        concatenated in request order) into tiles of ``context_tile`` keys; none when it fits one."""
+        total = int(context.sum())
+        if total <= self.context_tile:
+            return ()
+        bs, dev = self.block_size, self.device
+        cum_k = np.concatenate(([0], np.cumsum(context)))
+        cum_q = np.concatenate(([0], np.cumsum(query_lens)))
+        tiles = []
+        for t0 in range(0, total, self.context_tile):
+            t1 = min(t0 + self.context_tile, total)
+            first = int(np.searchsorted(cum_k, t0, side="right")) - 1
+            last = int(np.searchsorted(cum_k, t1, side="left")) - 1
+            lo = np.clip(t0 - cum_k[first : last + 1], 0, None)  # each request's key range in the tile
+            hi = np.minimum(t1, cum_k[first + 1 : last + 2]) - cum_k[first : last + 1]
+            hi = np.maximum(hi, lo)
+            pos = np.concatenate([np.arange(a, b) for a, b in zip(lo, hi)])
+            req = np.repeat(np.arange(first, last + 1), hi - lo)
+            slots = self.block_table.array[rows[req], pos // bs].astype(np.int64) * bs + pos % bs
+            q_lens = query_lens[first : last + 1]
+            tiles.append(
+                ContextTile(
+                    q_start=int(cum_q[first]),
+                    q_end=int(cum_q[last + 1]),
+                    slots=torch.from_numpy(slots).to(dev),
+                    cu_seqlens_q=torch.from_numpy(
+                        (cum_q[first : last + 2] - cum_q[first]).astype(np.int32)
+                    ).to(dev),
+                    cu_seqlens_k=torch.from_numpy(
+                        np.concatenate(([0], np.cumsum(hi - lo))).astype(np.int32)
+                    ).to(dev),
+                    max_seqlen_q=int(q_lens.max()),
+                    max_seqlen_k=int((hi - lo).max()),
+                )
+            )
+        return tuple(tiles)

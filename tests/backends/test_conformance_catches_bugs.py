@@ -10,7 +10,7 @@ import torch
 from deepinfer.backends.reference import attention, moe, rope, sampling
 from deepinfer.backends.registry import OpTable, interface_ops
 from deepinfer.backends.testing import checks
-from deepinfer.backends.testing.harness import SMALL_MLA, SMALL_MOE, V3_MLA
+from deepinfer.backends.testing.harness import SMALL_MLA, SMALL_MOE, TOLERANCE, V3_MLA, assert_close
 
 CPU = torch.device("cpu")
 
@@ -132,3 +132,32 @@ def test_unwritten_output_rows_fail() -> None:
 
     with pytest.raises(AssertionError, match="non-finite"):
         checks.check_silu_and_mul(table_with(silu_and_mul), CPU, torch.float32, 32, "unwritten")
+
+
+def test_a_row_the_op_never_writes_is_nan_on_the_cpu_too() -> None:
+    def silu_and_mul(x):
+        half = x.shape[-1] // 2
+        out = torch.empty_like(x[..., :half])  # the last row is left as allocated
+        out[:-1] = torch.nn.functional.silu(x[:-1, :half]) * x[:-1, half:]
+        return out
+
+    with pytest.raises(AssertionError, match="non-finite"):
+        checks.check_silu_and_mul(table_with(silu_and_mul), CPU, torch.float32, 32, "left-unwritten")
+
+
+def test_one_wrong_row_in_a_thousand_fails_the_row_comparison() -> None:
+    """A 5% error in one row of 1000: one relative norm over the whole tensor (the old comparison)
+    sees 0.16% and lets it through at the bf16 tolerance; the worst row's error is 5%."""
+    gen = torch.Generator().manual_seed(0)
+    x, w = torch.randn(1000, 64, generator=gen), torch.ones(64)
+    ref = attention.OPS.rms_norm(x, w, 1e-6)
+    out = attention.OPS.rms_norm(x.to(torch.bfloat16), w.to(torch.bfloat16), 1e-6)
+    out[417] *= 1.05
+    whole_tensor_error = float((out.float() - ref).norm() / ref.norm())
+    assert whole_tensor_error < TOLERANCE[torch.bfloat16]
+    with pytest.raises(
+        AssertionError, match=r"rms_norm: relative error 5\.\d+e-02 of its worst row \(of 1000\)"
+    ):
+        assert_close("rms_norm", out, ref, torch.bfloat16)
+    assert_close("rms_norm", attention.OPS.rms_norm(x.to(torch.bfloat16), w.to(torch.bfloat16), 1e-6), ref,
+                 torch.bfloat16)  # fmt: skip

@@ -106,3 +106,32 @@ def running_cluster(tmp_path: Path, *args: str, timeout_s: float = 180.0) -> Ite
             if _alive(w["pid"]):
                 os.kill(w["pid"], signal.SIGKILL)
                 raise AssertionError(f"worker pid {w['pid']} outlived the cluster")
+
+
+@contextlib.contextmanager
+def plain_server(tmp_path: Path, timeout_s: float = 180.0) -> Iterator[str]:
+    """One ``deepinfer serve`` without a KV store (the reference a cluster must match), with the
+    cluster workers' settings (1 thread, the reference CPU ops); yields its URL, stops it by PID."""
+    from unittest import mock
+
+    from deepinfer.router.cluster import start_worker, stop_workers, wait_healthy
+
+    with mock.patch.dict(os.environ, {"DEEPINFER_CPU_BACKEND": "reference"}):
+        worker = start_worker("both", None, ["--kv-cache-memory-gib", "0.25"], tmp_path, 1, 99)
+    try:
+        wait_healthy([worker], timeout_s)
+        yield worker.url
+    finally:
+        stop_workers([worker])
+        assert worker.process.poll() is not None
+
+
+def worker_load(url: str) -> dict:
+    return httpx.get(f"{url}/load", timeout=5).json()
+
+
+def worker_metric(url: str, series: str) -> float:
+    for line in httpx.get(f"{url}/metrics", timeout=5).text.splitlines():
+        if line.split(" ")[0] == series:
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"{url}/metrics has no {series}")

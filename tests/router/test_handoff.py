@@ -79,3 +79,19 @@ def test_answers_that_do_not_belong_are_refused() -> None:
     with pytest.raises(HandoffError, match="layout X"):
         h.prefilled(result(layout="X"), 1.0)
     assert h.take_release() is None  # not ended
+
+
+def test_abandon_ends_an_unfinished_handoff_and_releases_once() -> None:
+    h = handoff()
+    h.start_prefill("p1", 0.0)
+    assert h.prefill_failed("refused", 1.0)  # another prefill worker may be tried, but none is left
+    h.abandon("no worker left")
+    assert h.state is HandoffState.FAILED and h.failure == "no worker left"
+    assert h.take_release() == "h" and h.take_release() is None
+    done = handoff()
+    done.start_prefill("p1", 0.0)
+    done.prefilled(result(), 1.0)
+    done.start_decode("d1", 2.0)
+    done.finished()
+    done.abandon("late")  # already ended: unchanged
+    assert done.state is HandoffState.DONE and done.take_release() is None

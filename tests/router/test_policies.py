@@ -20,6 +20,7 @@ from deepinfer.router.policies import (
     RoundRobin,
     TwoHop,
     WorkerView,
+    handoff_pairs,
     plan,
     prefill_policy,
 )
@@ -93,8 +94,17 @@ def test_plan_paths() -> None:
     # long without the handoff: the both-role worker, however loaded; decode-role only if there is none
     assert plan(long, [pre, dec, both], *policies, 512, False) == Direct(both, "long")
     assert plan(long, [pre, dec], *policies, 512, False) == Direct(dec, "long")
-    assert plan(long, [pre, dec, both], *policies, 512, True) == TwoHop(pre, dec)
-    assert plan(short, [pre, dec], *policies, 512, True) == Direct(dec, "short")
+    # two hops once a prefill worker and a decode-capable one share a store; never across stores
+    pre_s, dec_s = view("p", Role.PREFILL, kv_store_id="s1"), view("d", Role.DECODE, kv_store_id="s1")
+    assert plan(long, [pre, dec, both], *policies, 512, True) == Direct(both, "long")  # no store
+    assert plan(long, [pre_s, dec_s, both], *policies, 512, True) == TwoHop(pre_s, dec_s)
+    assert plan(long, [pre_s, dec_s, both], *policies, 512, False) == Direct(both, "long")
+    other = view("d", Role.DECODE, kv_store_id="s2")
+    assert plan(long, [pre_s, other], *policies, 512, True) == Direct(other, "long")
+    assert handoff_pairs([pre_s, dec_s]) == {"s1"} and not handoff_pairs([pre_s, other])
+    down = view("d", Role.DECODE, kv_store_id="s1", admitted=False)
+    assert plan(long, [pre_s, down, both], *policies, 512, True) == Direct(both, "long")
+    assert plan(short, [pre_s, dec_s], *policies, 512, True) == Direct(dec_s, "short")
     with pytest.raises(NoWorker, match="admitted roles: prefill"):
         plan(short, [pre, view("d", Role.DECODE, admitted=False)], *policies, 512, False)
     with pytest.raises(NoWorker, match="none"):

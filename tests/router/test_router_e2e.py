@@ -132,6 +132,14 @@ def test_bad_configuration_is_one_line_naming_the_option(tmp_path: Path) -> None
     cluster = subprocess.run([sys.executable, "-m", "deepinfer.cli", "cluster", "--both", "1", "--kv-store-path",
                               str(tmp_path / "file")], capture_output=True, text=True, timeout=60)  # fmt: skip
     assert cluster.returncode == 2 and "--kv-store-path:" in cluster.stderr
+    for roles in (("--decode", "1"), ("--prefill", "1", "--decode", "1")):  # no store for the handoff
+        cluster = subprocess.run([sys.executable, "-m", "deepinfer.cli", "cluster", *roles], capture_output=True,
+                                 text=True, timeout=60)  # fmt: skip
+        assert cluster.returncode == 2 and len(cluster.stderr.strip().splitlines()) == 1, cluster.stderr
+        assert (
+            "--kv-store-path: a cluster with prefill or decode workers needs a shared KV store"
+            in cluster.stderr
+        )
 
 
 def test_a_worker_registers_itself_and_takes_traffic(cluster: Cluster, tmp_path: Path) -> None:

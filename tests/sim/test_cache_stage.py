@@ -6,7 +6,7 @@ import math
 import pytest
 
 from deepinfer.sim.cachesim import run_cache_stage
-from deepinfer.sim.policies import TtlLruRetention
+from deepinfer.sim.policies import TierRetention, retention_policy
 from deepinfer.sim.tiers import Tier, TieredStore
 from deepinfer.sim.workload import LengthDist, TrafficClass, WorkloadSpec
 
@@ -27,8 +27,9 @@ def revisiting(ttl_s: float) -> WorkloadSpec:
 
 
 def hit_rate(ttl_s: float, capacity_bytes: float) -> float:
-    store = TieredStore([Tier("store", TtlLruRetention(capacity_bytes), 50e9)], KV)
-    return run_cache_stage(revisiting(ttl_s), store, 8 * 3600, seed=3).total_hit_rate
+    spec = revisiting(ttl_s)
+    store = TieredStore([Tier("store", TierRetention(retention_policy(spec.ttls), capacity_bytes), 50e9)], KV)
+    return run_cache_stage(spec, store, 8 * 3600, seed=3).total_hit_rate
 
 
 def test_hit_rate_falls_as_the_ttl_shrinks() -> None:
@@ -47,15 +48,16 @@ def test_hit_rate_falls_as_capacity_shrinks() -> None:
 
 def test_occupancy_is_bounded_by_capacity_and_reported_over_time() -> None:
     capacity = 5e11
-    store = TieredStore([Tier("store", TtlLruRetention(capacity), 50e9)], KV)
-    stage = run_cache_stage(revisiting(7 * 86400), store, 6 * 3600, seed=1)
+    spec = revisiting(7 * 86400)
+    store = TieredStore([Tier("store", TierRetention(retention_policy(spec.ttls), capacity), 50e9)], KV)
+    stage = run_cache_stage(spec, store, 6 * 3600, seed=1)
     assert len(stage.occupancy_tb) > 10
     assert max(o["store"] for _, o in stage.occupancy_tb) <= capacity / 1e12
     assert stage.occupancy_tb[-1][1]["store"] > stage.occupancy_tb[1][1]["store"] * 0.5
 
 
 def test_a_workload_without_requests_is_an_error() -> None:
-    store = TieredStore([Tier("store", TtlLruRetention(1e12), 50e9)], KV)
+    store = TieredStore([Tier("store", TierRetention(retention_policy({"chat": 3600}), 1e12), 50e9)], KV)
     spec = revisiting(3600).model_copy(
         update={"classes": [revisiting(3600).classes[0].model_copy(update={"rate_per_s": 1e-9})]}
     )

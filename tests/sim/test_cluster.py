@@ -8,7 +8,7 @@ from deepinfer.engine.scheduler import Scheduler
 from deepinfer.platform.chips import sku_facts
 from deepinfer.sim.cluster import ClusterConfig, EngineKnobs, PoolConfig, Simulation
 from deepinfer.sim.costs import CalibratedCost, RooflineCost
-from deepinfer.sim.policies import TtlLruRetention
+from deepinfer.sim.policies import TierRetention, retention_policy
 from deepinfer.sim.report import summarise
 from deepinfer.sim.tiers import Tier, TieredStore
 from deepinfer.sim.workload import Arrival, LengthDist, Segment, TrafficClass, WorkloadSpec, arrivals
@@ -50,7 +50,7 @@ def test_every_request_gets_its_tokens_from_the_engines_scheduler() -> None:
 
 
 def test_the_time_budget_cuts_prompt_chunks() -> None:
-    long_prompt = Arrival(0.0, "long", "code", 1.0, (Segment(("p",), 1500),), 4)
+    long_prompt = Arrival(0.0, "long", "code", (Segment(("p",), 1500),), 4)
     chunks = {}
     for budget in (None, 0.01):
         sim = aggregated(budget)
@@ -71,8 +71,10 @@ def test_a_small_device_cache_evicts_and_hits_less() -> None:
 def test_prefill_decode_handoff_with_tiers_and_ep() -> None:
     chip = sku_facts("gb200")
     prefill, decode = RooflineCost(chip, ep=8), RooflineCost(chip, ep=64)
+    policy = retention_policy(code().ttls)
     store = TieredStore(
-        [Tier("host", TtlLruRetention(1e12), 50e9, False), Tier("store", TtlLruRetention(1e15), 20e9)], 70272
+        [Tier("host", TierRetention(policy, 1e12), 50e9), Tier("store", TierRetention(policy, 1e15), 20e9)],
+        70272,
     )
     config = ClusterConfig(
         [

@@ -22,7 +22,7 @@ def test_later_turns_carry_the_whole_history() -> None:
         name, session, turn = a.request_id.rsplit("-", 2)
         if int(turn) > 0:
             previous = by_id[f"{name}-{session}-{int(turn) - 1}"]
-            history = previous.token_ids() + previous.output_token_ids()
+            history = previous.token_ids() + list(previous.output_token_ids())
             assert a.token_ids()[: len(history)] == history
             chained += 1
     assert chained > 100

@@ -1,0 +1,130 @@
+"""The prefill->decode handoff end to end (``deepinfer cluster --prefill 1 --decode 1``): the official
+OpenAI and Anthropic clients through the router, plain and streaming, on all four APIs, get what a
+single ``deepinfer serve`` answers (greedy), every request of a long prompt takes two hops, the
+decode worker loads the prompt's blocks from the shared store (cached tokens reported), and no lease
+is left behind."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.router.cluster import Cluster, plain_server, running_cluster, worker_load, worker_metric
+from tests.router.test_router_e2e import LONG, MODEL, answers, clients
+
+
+@pytest.fixture(scope="module")
+def pd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    tmp = tmp_path_factory.mktemp("pd")
+    with running_cluster(tmp, "--prefill", "1", "--decode", "1", "--min-disaggregated-tokens", "16") as c:
+        yield c
+
+
+def test_cached_tokens_are_reported_for_a_handed_off_prompt(pd: Cluster) -> None:
+    c = pd
+    before = c.metric('deepinfer_router_handoffs_total{outcome="done"}')
+    oa, an = clients(c.url)
+    prompt = LONG + "\n    config = read_config(sys.argv[1])\n    print(config)\n"  # new to both workers
+    chat = oa.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": prompt}], max_tokens=4, temperature=0
+    )
+    cached = chat.usage.prompt_tokens_details.cached_tokens
+    assert 0 < cached < chat.usage.prompt_tokens  # the blocks loaded from the store; the tail computed
+    decode = c.workers_of("decode")[0]
+    assert worker_metric(decode, "deepinfer_kv_handoff_loaded_blocks_total") >= cached // 16
+    msg = an.messages.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": prompt}],
+        max_tokens=4,
+        extra_body={"temperature": 0},
+    )
+    assert msg.usage.cache_read_input_tokens > 0
+    assert c.metric('deepinfer_router_handoffs_total{outcome="done"}') == before + 2
+    assert worker_load(c.workers_of("prefill")[0])["kv_leases"] == 0
+
+
+@pytest.mark.slow
+def test_all_apis_through_prefill_and_decode_match_a_single_server(pd: Cluster, tmp_path: Path) -> None:
+    c = pd
+    with plain_server(tmp_path) as single:
+        _all_apis_match(c, single)
+
+
+def _all_apis_match(c: Cluster, single: str) -> None:
+    prefill, decode = c.workers_of("prefill")[0], c.workers_of("decode")[0]
+    assert worker_load(prefill)["kv_store_id"] == worker_load(decode)["kv_store_id"] != ""
+    assert worker_load(single)["kv_store_id"] == ""
+    direct = answers(single, LONG)
+    assert all(direct.values()), direct
+
+    def two_hops() -> tuple[float, float]:
+        ok = sum(
+            c.metric(f'deepinfer_router_requests_total{{api="{api}",outcome="ok",path="two_hop"}}')
+            for api in ("chat", "completions", "responses", "messages")
+        )
+        return ok, c.metric('deepinfer_router_handoffs_total{outcome="done"}')
+
+    before = two_hops()
+    assert answers(c.url, LONG) == direct
+    assert [b - a for a, b in zip(before, two_hops())] == [8, 8]
+    assert worker_metric(decode, "deepinfer_kv_handoff_loaded_blocks_total") > 0
+    assert worker_metric(decode, "deepinfer_kv_handoff_recomputed_blocks_total") == 0
+    assert worker_metric(decode, "deepinfer_kv_handoff_first_token_mismatches_total") == 0
+    # the decode worker acked every lease: none left in the store's table
+    assert worker_load(prefill)["kv_leases"] == 0
+    assert not list((Path(c.log).parent / "store" / "leases").iterdir())
+
+
+def test_a_corrupt_block_in_the_store_is_recomputed_not_read(pd: Cluster) -> None:
+    """The router's two hops by hand: a PrefillOrder to the prefill worker, one of the leased block
+    files corrupted, then the DecodeOrder to the decode worker: the same greedy answer, the bad block
+    and the ones after it counted as recomputed, the lease acked."""
+    c = pd
+    (p,), (d,) = c.workers_of("prefill"), c.workers_of("decode")
+    text = LONG + "\n    for key in sorted(os.environ):\n        print(key, os.environ[key])\n"
+    body = {"model": MODEL, "prompt": text, "max_tokens": 8, "temperature": 0}
+    order = {"handoff_id": "corrupt-test", "deadline_unix": time.time() + 60, "lease_s": 30.0}
+    r = httpx.post(f"{p}/v1/completions", json={**body, "max_tokens": 1, "kv_transfer": order}, timeout=60)
+    assert r.status_code == 200, r.text
+    result = r.json()["kv_transfer"]
+    keys = result["block_keys"]
+    assert len(keys) >= 3 and result["handoff_id"] == "corrupt-test"
+    assert worker_load(p)["kv_leases"] == 1
+    store = Path(c.log).parent / "store"
+    (bad,) = store.glob(f"kv1/*/{keys[1][:2]}/{keys[1]}.kvb")
+    raw = bytearray(bad.read_bytes())
+    raw[-1] ^= 0xFF  # payload bytes no longer match the record's checksum
+    bad.write_bytes(bytes(raw))
+    loaded = worker_metric(d, "deepinfer_kv_handoff_loaded_blocks_total")
+    recomputed = worker_metric(d, "deepinfer_kv_handoff_recomputed_blocks_total")
+    decode_order = {k: result[k] for k in ("handoff_id", "first_token_id", "block_keys", "num_prompt_tokens",
+                                           "num_cached_tokens", "kv_layout", "lease_expires_unix")}  # fmt: skip
+    decode_order["deadline_unix"] = order["deadline_unix"]
+    got = httpx.post(f"{d}/v1/completions", json={**body, "kv_transfer": decode_order}, timeout=60)
+    assert got.status_code == 200, got.text
+    expected = httpx.post(f"{p}/v1/completions", json=body, timeout=60).json()["choices"][0]["text"]
+    assert got.json()["choices"][0]["text"] == expected
+    assert got.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 16  # the first block only
+    assert worker_metric(d, "deepinfer_kv_handoff_loaded_blocks_total") == loaded + 1
+    assert worker_metric(d, "deepinfer_kv_handoff_recomputed_blocks_total") == recomputed + len(keys) - 1
+    assert worker_load(p)["kv_leases"] == 0  # the decode's ack
+    again = httpx.post(f"{p}/kv/release", json={"handoff_id": "corrupt-test"}, timeout=10)
+    assert again.json() == {"released": False}  # idempotent
+
+
+def test_orders_are_checked(pd: Cluster) -> None:
+    c = pd
+    (p,), (d,) = c.workers_of("prefill"), c.workers_of("decode")
+    body = {"model": MODEL, "prompt": LONG, "max_tokens": 1}
+    order = {"handoff_id": "x", "deadline_unix": time.time() + 60, "lease_s": 5.0}
+    late = httpx.post(f"{p}/v1/completions", json={**body, "kv_transfer": {**order, "deadline_unix": 1.0}})
+    assert late.status_code == 504 and "deadline" in late.json()["error"]["message"]
+    bad = httpx.post(f"{p}/v1/completions", json={**body, "kv_transfer": {**order, "handoff_id": "../x"}})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "kv_transfer"
+    wrong_side = httpx.post(f"{d}/v1/completions", json={**body, "kv_transfer": order})
+    assert wrong_side.status_code == 409 and "does not prefill" in wrong_side.json()["error"]["message"]
+    assert httpx.post(f"{p}/kv/release", json={"handoff_id": "a/b"}).status_code == 400
