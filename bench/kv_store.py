@@ -168,6 +168,62 @@ def _summary(results: dict, cpu: dict, reps_log: list, workload: Workload, env: 
     }
 
 
+def _thread_cpu_s(native_id: int) -> float:
+    """User + system CPU seconds of one thread of this process (Linux /proc)."""
+    fields = Path(f"/proc/self/task/{native_id}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def bench_store_cpu(root: Path, num_requests: int) -> dict:
+    """The store's CPU share with every lookup missing, from thread CPU times (CPU time, unlike wall
+    time, barely moves with the machine's load): the engine thread's CPU inside the connector's calls
+    (lookups at admission, save bookkeeping, device -> host copies after each forward, polling) and
+    the store's own threads' CPU (write-behind with checksums and fsync, loaders), against the engine
+    thread's CPU for the whole run."""
+    import threading
+
+    llm = LLM(kv_store=KVStoreConfig(path=str(root / "cpu-account")))
+    connector = llm.engine.kv_connector
+    spent: dict[str, float] = {}
+
+    def timed(name: str, fn: Callable) -> Callable:
+        def call(*args, **kwargs):
+            t0 = time.thread_time()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                spent[name] = spent.get(name, 0.0) + time.thread_time() - t0
+
+        return call
+
+    for name in ("begin_load", "poll", "saves", "save_blocks"):
+        setattr(connector, name, timed(name, getattr(connector, name)))
+    store_threads = [t for t in threading.enumerate() if t.name.startswith("deepinfer-kv-")]
+    before = {t.native_id: _thread_cpu_s(t.native_id) for t in store_threads}
+    main0 = time.thread_time()
+    r = run_offline(llm, Workload(num_requests=num_requests))
+    main_s = time.thread_time() - main0
+    connector.store.flush(120)
+    store_threads = [t for t in threading.enumerate() if t.name.startswith("deepinfer-kv-")]
+    threads_s = sum(_thread_cpu_s(t.native_id) - before.get(t.native_id, 0.0) for t in store_threads)
+    stats = llm.engine.kv_store_stats()
+    assert stats["hit_blocks"] == 0, f"expected every lookup to miss, {stats['hit_blocks']} hit"
+    connector.close()
+    engine_side = sum(spent.values())
+    return {
+        "engine_thread_cpu_s": main_s,
+        "engine_thread_cpu_in_store_calls_s": spent,
+        "store_threads_cpu_s": threads_s,
+        "store_share_of_engine_thread": engine_side / main_s,
+        "store_cpu_over_engine_thread_cpu": (engine_side + threads_s) / main_s,
+        "blocks_written": stats["tiers"]["disk"]["writes"],
+        "wall_s": r["wall_s"],
+        "output_tokens": r["output_tokens"],
+        "load_1m": os.getloadavg(),
+        "workload": Workload(num_requests=num_requests).describe(),
+    }
+
+
 def bench_swa_drift(root: Path) -> dict:
     """Bounded replay's drift: max |logprob| difference over the top-20 of 8 greedy steps, against a
     cold run, on a random 3-layer model (2 sliding-window layers, window 64) and a 600-token prompt."""
@@ -214,6 +270,7 @@ def main() -> None:
     ap.add_argument("--skip-throughput", action="store_true")
     ap.add_argument("--skip-ttft", action="store_true", help="only the store-off vs all-miss throughput")
     ap.add_argument("--num-requests", type=int, default=128, help="requests per throughput rep")
+    ap.add_argument("--store-cpu", action="store_true", help="the store's CPU share (thread CPU times)")
     ap.add_argument("--swa", action="store_true")
     ap.add_argument("--out", default="bench/results/kv_store.json")
     args = ap.parse_args()
@@ -242,6 +299,9 @@ def main() -> None:
                     {k: result["throughput"][k] for k in ("median_output_tokens_per_s", "ratio_on_over_off")}
                 )
             )
+        if args.store_cpu:
+            result["store_cpu"] = bench_store_cpu(root, args.num_requests)
+            print(json.dumps(result["store_cpu"]))
         if args.swa:
             result["swa"] = bench_swa_drift(root)
             print(json.dumps(result["swa"]))
