@@ -2,14 +2,17 @@
 and offline throughput with the store on (every lookup missing) against the store off.
 
     .venv/bin/python bench/kv_store.py [--prompt-len 8000] [--reps 3] [--out bench/results/kv_store.json]
-    .venv/bin/python bench/kv_store.py --skip-ttft --reps 5 --out bench/results/kv_store_overhead.json
+    .venv/bin/python bench/kv_store.py --skip-ttft --store-cpu --reps 5 \
+        --out bench/results/kv_store_overhead.json
 
 TTFT, per rep in this order (so the three alternate): cold (prefix caching off, the same prompt),
 disk (a fresh engine on the store path: device and host empty; the prompt's files are dropped from the
 page cache with posix_fadvise first, so the disk is really read), host (the same engine after a filler
 prompt evicted the prefix from the device). Throughput: ``deepinfer bench offline``'s workload, store
 off and store on with a new empty directory each run (every lookup misses, every full block is saved
-and written behind), alternated A B A B; medians. The bundled model's max_model_len is 8192
+and written behind), alternated A B A B; medians; 192 requests a rep (over 10 s on a quiet 2-core
+host). ``--store-cpu``: the store's CPU share from thread CPU times, the measure that survives a loaded
+host (wall-clock ratios there are noise). The bundled model's max_model_len is 8192
 (max_position_embeddings), so an 8,000-token prompt fits without raising it. ``--swa`` adds the bounded
 SWA replay's logit drift on a random sliding-window model (transformers writes it).
 """
@@ -269,7 +272,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--skip-throughput", action="store_true")
     ap.add_argument("--skip-ttft", action="store_true", help="only the store-off vs all-miss throughput")
-    ap.add_argument("--num-requests", type=int, default=128, help="requests per throughput rep")
+    ap.add_argument("--num-requests", type=int, default=192, help="requests per throughput rep")
     ap.add_argument("--store-cpu", action="store_true", help="the store's CPU share (thread CPU times)")
     ap.add_argument("--swa", action="store_true")
     ap.add_argument("--out", default="bench/results/kv_store.json")
