@@ -2,7 +2,7 @@
 and offline throughput with the store on (every lookup missing) against the store off.
 
     .venv/bin/python bench/kv_store.py [--prompt-len 8000] [--reps 3] [--out bench/results/kv_store.json]
-    .venv/bin/python bench/kv_store.py --skip-ttft --store-cpu --reps 5 \
+    .venv/bin/python bench/kv_store.py --skip-ttft --store-cpu --reps 6 \
         --out bench/results/kv_store_overhead.json
 
 TTFT, per rep in this order (so the three alternate): cold (prefix caching off, the same prompt),
@@ -10,7 +10,7 @@ disk (a fresh engine on the store path: device and host empty; the prompt's file
 page cache with posix_fadvise first, so the disk is really read), host (the same engine after a filler
 prompt evicted the prefix from the device). Throughput: ``deepinfer bench offline``'s workload, store
 off and store on with a new empty directory each run (every lookup misses, every full block is saved
-and written behind), alternated A B A B; medians; 192 requests a rep (over 10 s on a quiet 2-core
+and written behind), alternated A B B A (each side first in half the pairs); medians; 192 requests a rep (over 10 s on a quiet 2-core
 host). ``--store-cpu``: the store's CPU share from thread CPU times, the measure that survives a loaded
 host (wall-clock ratios there are noise). The bundled model's max_model_len is 8192
 (max_position_embeddings), so an 8,000-token prompt fits without raising it. ``--swa`` adds the bounded
@@ -111,7 +111,7 @@ def _cpu_seconds() -> float:
 
 def bench_throughput(reps: int, root: Path, num_requests: int, after_pair: Callable[[dict], None]) -> dict:
     """Offline throughput, store off and store on (a new empty directory each run, so every lookup
-    misses and every full block is saved and written behind), alternated A B A B; medians. Each rep
+    misses and every full block is saved and written behind), alternated A B B A; medians. Each rep
     records its wall time (a rep under 10 s is too short to trust on a noisy machine: raise
     ``--num-requests``), the load average around it and the process's CPU time (every thread, the
     store's writer included): CPU seconds per output token is the overhead's second, less
@@ -123,7 +123,8 @@ def bench_throughput(reps: int, root: Path, num_requests: int, after_pair: Calla
     reps_log = []
     env = None
     for rep in range(reps):
-        for side in ("off", "on_all_miss"):
+        sides = ("off", "on_all_miss") if rep % 2 == 0 else ("on_all_miss", "off")  # A B B A: no order bias
+        for side in sides:
             store = KVStoreConfig(path=str(root / f"miss-{rep}")) if side == "on_all_miss" else None
             llm = LLM(kv_store=store)
             env = env or environment(llm.engine)
