@@ -12,8 +12,8 @@ prompt evicted the prefix from the device). Throughput: ``deepinfer bench offlin
 off and store on with a new empty directory each run (every lookup misses, every full block is saved
 and written behind), alternated A B B A (each side first in half the pairs); medians; 192 requests
 a rep (over 10 s on a quiet 2-core host). ``--store-cpu``: the store's CPU share from thread CPU
-times, the measure that survives a loaded host (wall-clock ratios there are noise). The bundled model's max_model_len is 8192
-(max_position_embeddings), so an 8,000-token prompt fits without raising it. ``--swa`` adds the bounded
+times, the measure that survives a loaded host (wall-clock ratios there are noise). The bundled
+model's max_model_len is 8192 (max_position_embeddings), so an 8,000-token prompt fits without raising it. ``--swa`` adds the bounded
 SWA replay's logit drift on a random sliding-window model (transformers writes it).
 """
 
