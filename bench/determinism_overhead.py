@@ -3,6 +3,9 @@
     .venv/bin/python bench/determinism_overhead.py [--model PATH] [--reps 3] [--threads N]
         [--out bench/results/determinism_overhead.json]
 
+(about 2 minutes per rep on a quiet 2-core machine, 5-8 under a load of 10; the load seen, from
+``uptime``, is recorded before and after).
+
 The bundled model by default, 64 requests (held-out stdlib prompts of 64-1024 tokens, 128 greedy output
 tokens each, ``deepinfer bench offline``'s workload), run with ``deterministic=False`` and ``True``
 alternately (A B A B ...; a fresh engine per run, since the mode is chosen when the engine activates
@@ -17,6 +20,7 @@ import argparse
 import json
 import os
 import statistics
+import subprocess
 from pathlib import Path
 
 import torch
@@ -41,6 +45,7 @@ def main() -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     workload = Workload(num_requests=args.num_requests)
+    uptime_before = _uptime()
     runs: dict[bool, list[dict]] = {False: [], True: []}
     env = None
     for _ in range(args.reps):
@@ -74,7 +79,10 @@ def main() -> int:
             "on": statistics.median(r["p50_step_s"] for r in runs[True]) * 1e3,
         },
         "greedy_outputs_identical_share": same,
+        "threads": torch.get_num_threads(),
         "load_average": os.getloadavg(),
+        "uptime_before": uptime_before,
+        "uptime_after": _uptime(),
         "env": env,
     }
     print(
@@ -85,6 +93,16 @@ def main() -> int:
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
     return 0
+
+
+def _uptime() -> str:
+    """What ``uptime`` prints (the machine's load), or why it could not be read."""
+    try:
+        return subprocess.run(
+            ["uptime"], capture_output=True, text=True, check=True, timeout=10
+        ).stdout.strip()
+    except (OSError, subprocess.SubprocessError) as exc:
+        return f"uptime failed: {exc}"
 
 
 if __name__ == "__main__":

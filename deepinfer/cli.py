@@ -340,6 +340,8 @@ def _bench_serve(args: argparse.Namespace, model: str, workload, options: dict) 
 
     if args.compare_offline and not args.concurrency:
         raise SystemExit("deepinfer bench serve: error: --compare-offline needs --concurrency (e.g. 64)")
+    if args.compare_offline:  # the same workload: offline runs no larger a batch than the clients make
+        options = {**options, "max_num_seqs": min(options["max_num_seqs"], args.concurrency)}
 
     prompts = workload.prompts(Tokenizer(model))
     flags = {

@@ -11,7 +11,7 @@ changes). Hence, per op:
   ``npu_swiglu`` (silu_and_mul), ``npu_rotary_mul`` (rope); copies kept: ``npu_scatter_pa_kv_cache``
   (kv_cache_write), ``index_select`` (kv_cache_gather);
 - kernels with a reduction whose tiling the documentation does not pin, routed to the reference's
-  invariant formulation (plain torch on the NPU, one reduction per row / one GEMM shape):
+  invariant formulation (plain torch on the NPU, one reduction per row / row counts in whole tiles):
   ``npu_rms_norm`` / ``npu_add_rms_norm``, ``npu_moe_gating_top_k`` (moe_route), ``npu_grouped_matmul``
   (grouped_gemm, fused_moe, with ``npu_moe_init_routing_v2`` and ``npu_moe_token_unpermute``), FIA v2 TND
   (mla_prefill; deterministic mode does not call it);
@@ -32,7 +32,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from deepinfer.backends.reference.invariant import KV_SPLIT, gather_keys, split_kv_attention
+from deepinfer.backends.reference.invariant import KV_SPLIT, split_kv_attention
 from deepinfer.ops_ascend import OPS
 from deepinfer.ops_ascend.host import host_list
 
@@ -54,8 +54,9 @@ OPS.declare_variant(["mla_prefill"], f"{UNDOCUMENTED} npu_fused_infer_attention_
 
 
 @OPS.implement_invariant(
-    f"{UNDOCUMENTED} the FIA MLA kernel: replaced by fixed splits of {KV_SPLIT} keys through one GEMM "
-    "shape over this backend's latent and rope caches (torch on the NPU)"
+    f"{UNDOCUMENTED} the FIA MLA kernel: replaced by fixed splits of {KV_SPLIT} keys "
+    "(the reference's formulation: row counts padded to whole tiles, splits added in ascending order) "
+    "over this backend's latent and rope caches (torch on the NPU)"
 )
 def mla_decode(
     q_nope: Tensor,
@@ -70,11 +71,9 @@ def mla_decode(
 ) -> Tensor:
     latent, rope = kv_cache
     lens = host_list(seq_lens)
-    keys = gather_keys(
-        latent.view(-1, latent.shape[-1]), rope.view(-1, rope.shape[-1]), block_table, lens, latent.shape[1]
-    )
-    queries = torch.cat((q_pe, q_nope), dim=-1).float()
+    queries = torch.cat((q_nope, q_pe), dim=-1).float()  # the key's order: latent, then rope
     out = split_kv_attention(
-        queries, keys, lens, host_list(query_start_loc), q_nope.shape[-1], scale, sliding_window
-    )
+        queries, (latent.view(-1, latent.shape[-1]), rope.view(-1, rope.shape[-1])), block_table,
+        latent.shape[1], lens, host_list(query_start_loc), q_nope.shape[-1], scale, sliding_window,
+    )  # fmt: skip
     return out.to(q_nope.dtype)

@@ -1,5 +1,5 @@
 """The reference backend in deterministic mode: which ops are batch-invariant as they are, and the
-invariant formulations of the others (built from ``invariant``'s fixed GEMM shape and KV splits).
+invariant formulations of the others (built from ``invariant``'s padded row counts and fixed KV splits).
 
 The model runs every token through ``mla_decode`` in this mode (the engine routes prompt chunks to the
 absorbed path too), so a token's attention is one computation whether it is decoded, part of a prompt
@@ -18,7 +18,6 @@ from deepinfer.backends.reference import OPS
 from deepinfer.backends.reference.invariant import (
     KV_SPLIT,
     ROW_TILE,
-    gather_keys,
     split_kv_attention,
     tiled_grouped,
     tiled_linear,
@@ -26,7 +25,10 @@ from deepinfer.backends.reference.invariant import (
 )
 from deepinfer.backends.reference.moe import route
 
-ONE_SHAPE = f"every product goes through one [{ROW_TILE}, K] x [K, N] GEMM shape, zero-padded row tiles"
+ONE_SHAPE = (
+    f"every product's row count zero padded to a multiple of {ROW_TILE} (the BLAS then rounds a row the "
+    "same whatever the row count)"
+)
 
 
 @OPS.implement_invariant("silu on vector lanes only (no scalar tail, no size-dependent thread split)")
@@ -44,7 +46,7 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     return tiled_linear(x, weight, bias)
 
 
-@OPS.implement_invariant(ONE_SHAPE + "; tiles never straddle two experts")
+@OPS.implement_invariant(ONE_SHAPE + "; one product per expert")
 def grouped_gemm(x: Tensor, weight: Tensor, group_sizes: Tensor) -> Tensor:
     return tiled_grouped(x, weight, group_sizes.tolist())
 
@@ -105,8 +107,10 @@ def moe_route(
 
 
 @OPS.implement_invariant(
-    f"keys cut every {KV_SPLIT} positions from 0, each split through the fixed GEMM shape, splits "
-    "combined in ascending order: a query token's bits depend only on its own keys"
+    f"keys cut every {KV_SPLIT} positions from 0; scores as one product over the head width, the "
+    "softmax from each row's maximum over all its keys, each split's weighted values as one product, "
+    "splits added in ascending order; row counts padded to a multiple of "
+    f"{ROW_TILE}: a query token's bits depend only on its own query and keys"
 )
 def mla_decode(
     q_nope: Tensor,
@@ -120,12 +124,11 @@ def mla_decode(
     sliding_window: int | None = None,
 ) -> Tensor:
     (cache,) = kv_cache
-    latent = q_nope.shape[-1]
-    rows = cache.view(-1, cache.shape[-1])
-    lens = seq_lens.tolist()
-    keys = gather_keys(rows[:, :latent], rows[:, latent:], block_table, lens, cache.shape[1])
-    queries = torch.cat((q_pe, q_nope), dim=-1).float()
-    out = split_kv_attention(queries, keys, lens, query_start_loc.tolist(), latent, scale, sliding_window)
+    queries = torch.cat((q_nope, q_pe), dim=-1).float()  # the cache row's order: latent, then rope
+    out = split_kv_attention(
+        queries, (cache.view(-1, cache.shape[-1]),), block_table, cache.shape[1], seq_lens.tolist(),
+        query_start_loc.tolist(), q_nope.shape[-1], scale, sliding_window,
+    )  # fmt: skip
     return out.to(q_nope.dtype)
 
 

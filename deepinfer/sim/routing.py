@@ -23,6 +23,8 @@ from deepinfer.router.loadbook import LoadBook
 from deepinfer.router.policies import DecodeLoad, Direct, RequestInfo, TwoHop, plan, prefill_policy
 from deepinfer.router.roles import Role
 
+SHARED_STORE = "sim"  # every simulated rank hands KV through one shared store (DeepSeek's 3FS)
+
 
 class RoutableRank(Protocol):
     """What the router needs of a simulated rank: the engine parts ``engine_load`` reads."""
@@ -45,7 +47,6 @@ class SimRouter:
         self.decode = DecodeLoad(config.decode_request_weight_tokens)
         self.book = LoadBook()
         self.ranks = {r.url: r for r in ranks}
-        self.handoff_ready = {r.role for r in ranks} >= {Role.PREFILL, Role.DECODE}
         self.routes = {"short": 0, "long": 0, "two_hop": 0}
 
     def poll(self, now: float) -> None:
@@ -60,16 +61,14 @@ class SimRouter:
                 num_in_flight=rank.in_flight,
                 engine=engine_load(rank, rank.busy_s),
                 cost_model=CostModel.of(rank.predictor),
+                kv_store_id=SHARED_STORE,
             )
             self.book.observe(url, report, now)
 
     def route(self, request_id: str, prompt_tokens: int, max_tokens: int, now: float) -> Direct | TwoHop:
         """Where a new request goes; records the dispatch(es) as the proxy does."""
         info = RequestInfo(prompt_tokens, max_tokens)
-        route = plan(
-            info, self.book.views(), self.prefill, self.decode, self.config.min_disaggregated_tokens,
-            self.handoff_ready,
-        )  # fmt: skip
+        route = plan(info, self.book.views(), self.prefill, self.decode, self.config.min_disaggregated_tokens)
         if isinstance(route, TwoHop):
             self.routes["two_hop"] += 1
             self.book.dispatched(

@@ -6,11 +6,15 @@ tokenizer) that share prefixes — each prompt is one of a few shared file heade
 window of code — with a fixed output length (EOS ignored). The real side streams each request over
 HTTP (``deepinfer.bench.serve``) from a server running one aggregated worker with a step time
 budget. The simulated side runs the engine's scheduler with the server's settings, with the step
-cost model the server calibrated at start-up, corrected by two figures fitted on a *different* trace
+cost model the server calibrated at start-up — a fresh server per trace, so that its profiling sweep
+runs right before the trace it models, under the same host load — corrected by two figures fitted
+on a *different* trace
 (the calibration run: other prompts and arrival times, same rate): a factor on step time (the real
 step on a 2-core host also pays for the HTTP front, detokenization and the load generator sharing
 the cores, which the start-up calibration of forward passes alone does not see) and the front's
-admission delay.
+admission delay. The engine's busy time during each trace (``GET /load``) is reported beside the
+simulated one: on a shared host, a gap between them that the calibration trace did not have is the
+load having changed between the sweep and the trace.
 """
 
 from __future__ import annotations
@@ -109,6 +113,7 @@ def simulate_trace(
     result["wall_s"] = max(finished)
     result["output_tokens_per_s"] = len(arrivals) * spec.output_len / result["wall_s"]
     result["prefix_cache_hit_rate"] = result["cache_hit_rate"].get("device", 0.0)
+    result["busy_s"] = sim.pools["both"][0].busy_s
     return result
 
 
@@ -152,60 +157,92 @@ def fit_overheads(
     return scale, delay
 
 
+def run_trace(
+    model_dir: str, spec: TraceSpec, settings: ServerSettings, stream: list[int], cache_dir: Path
+) -> dict:
+    """One trace through a fresh ``deepinfer serve`` whose start-up calibration (a profiling sweep of
+    step shapes in that process) runs right before the trace, in the same conditions. Returns the
+    prompts, the measured figures, that server's cost model, the engine's busy seconds during the
+    trace (``GET /load``) and the host's load average before and after. ``cache_dir`` is the
+    server's cache folder: its stored cost models are removed first (so that the server calibrates),
+    its compiled kernels kept."""
+    import httpx
+
+    from deepinfer.bench.serve import launch, run_load
+    from deepinfer.worker import calibration as engine_calibration
+
+    prompts = build_prompts(stream, spec)
+    shutil.rmtree(cache_dir / "cost_models", ignore_errors=True)
+    # One engine thread: steadier on a shared host.
+    server_env = {"DEEPINFER_CACHE_DIR": str(cache_dir), "DEEPINFER_NUM_THREADS": "1"}
+    with _environ(server_env):
+        load_before = os.getloadavg()
+        with launch(model_dir, settings.args()) as url:
+            before = httpx.get(f"{url}/metrics").text
+            busy_before = httpx.get(f"{url}/load").json()["engine"]["busy_s"]
+            real = asyncio.run(
+                run_load(
+                    url,
+                    Path(model_dir).name,
+                    prompts,
+                    spec.output_len,
+                    spec.request_rate,
+                    600.0,
+                    spec.seed,
+                )
+            )
+            busy = httpx.get(f"{url}/load").json()["engine"]["busy_s"] - busy_before
+            after = httpx.get(f"{url}/metrics").text
+        path = engine_calibration.cache_path("cpu", "cpu", Path(model_dir), "float32")
+        if not path.is_file():
+            raise RuntimeError(f"the server left no calibrated cost model at {path}")
+        model = StepCostModel.load(path)
+    queries, hits = (b - a for a, b in zip(_prefix_counters(before), _prefix_counters(after)))
+    real["prefix_cache_hit_rate"] = hits / max(1, queries)
+    return {"prompts": prompts, "real": real, "model": model, "busy_s": busy,
+            "load_average": (load_before, os.getloadavg())}  # fmt: skip
+
+
 def run_validation(
     model_dir: str, calibration: TraceSpec, validation: TraceSpec, settings: ServerSettings
 ) -> dict:
-    """Both runs on one server (their prompts share no prefixes), the fit on the first, the check on
-    the second. Returns the measured and simulated figures and the relative errors."""
-    import httpx
-
+    """Two traces (their prompts share no prefixes), each through a freshly calibrated server; the
+    overheads fitted on the first, the check on the second (with its own server's calibration).
+    Returns the measured and simulated figures, the relative errors, and per trace the engine's
+    measured busy time against the simulated one (a shift there is the host's load changing)."""
     from deepinfer.backends.reference.cache import BLOCK_SIZE
-    from deepinfer.bench.serve import launch, run_load
     from deepinfer.bench.workload import heldout_stream
     from deepinfer.tokenizer import Tokenizer
-    from deepinfer.worker import calibration as engine_calibration
 
     stream = heldout_stream(Tokenizer(Path(model_dir)))
-    load_before = os.getloadavg()
     config = json.loads((Path(model_dir) / "config.json").read_text())
     layers = config["num_hidden_layers"] + config.get("num_nextn_predict_layers", 0)  # MTP layers cache too
     bytes_per_block = BLOCK_SIZE * (config["kv_lora_rank"] + config["qk_rope_head_dim"]) * 4 * layers
     num_blocks = int(settings.kv_cache_memory_gib * (1 << 30)) // bytes_per_block
-    runs = {}
-    cache_dir = tempfile.mkdtemp(prefix="deepinfer-simval-")
-    # The server calibrates its cost model at start-up, right before the traces (one thread: steadier
-    # on a shared host); the cache folder is fresh so that the calibration is today's, not a stored one.
-    server_env = {"DEEPINFER_CACHE_DIR": cache_dir, "DEEPINFER_NUM_THREADS": "1"}
-    with _environ(server_env), launch(model_dir, settings.args()) as url:
-        for name, spec in (("calibration", calibration), ("validation", validation)):
-            prompts = build_prompts(stream, spec)
-            before = _prefix_counters(httpx.get(f"{url}/metrics").text)
-            real = asyncio.run(
-                run_load(
-                    url, Path(model_dir).name, prompts, spec.output_len, spec.request_rate, 600.0, spec.seed
-                )
-            )
-            after = _prefix_counters(httpx.get(f"{url}/metrics").text)
-            real["prefix_cache_hit_rate"] = (after[1] - before[1]) / max(1, after[0] - before[0])
-            runs[name] = (spec, prompts, real)
-    with _environ(server_env):
-        path = engine_calibration.cache_path("cpu", "cpu", Path(model_dir), "float32")
-    if not path.is_file():
-        raise RuntimeError(f"the server left no calibrated cost model at {path}")
-    model = StepCostModel.load(path)
-    shutil.rmtree(cache_dir)
-    spec, prompts, real = runs["calibration"]
-    scale, delay = fit_overheads(prompts, spec, settings, model, num_blocks, BLOCK_SIZE, real)
-    out = {"settings": settings.args(), "server_env": {"DEEPINFER_NUM_THREADS": "1"}, "cost_model": asdict(model),
-           "scale": scale, "admission_delay_s": delay, "num_blocks": num_blocks, "load_average_before": load_before,
-           "load_average_after": os.getloadavg()}  # fmt: skip
-    for name, (spec, prompts, real) in runs.items():
-        simulated = simulate_trace(prompts, spec, settings, model, num_blocks, BLOCK_SIZE, scale, delay)
+    cache_dir = Path(tempfile.mkdtemp(prefix="deepinfer-simval-"))
+    try:
+        runs = {name: (spec, run_trace(model_dir, spec, settings, stream, cache_dir))
+                for name, spec in (("calibration", calibration), ("validation", validation))}  # fmt: skip
+    finally:
+        shutil.rmtree(cache_dir, ignore_errors=True)
+    spec, cal = runs["calibration"]
+    scale, delay = fit_overheads(
+        cal["prompts"], spec, settings, cal["model"], num_blocks, BLOCK_SIZE, cal["real"]
+    )
+    out = {"settings": settings.args(), "server_env": {"DEEPINFER_NUM_THREADS": "1"}, "scale": scale,
+           "admission_delay_s": delay, "num_blocks": num_blocks}  # fmt: skip
+    for name, (spec, run) in runs.items():
+        simulated = simulate_trace(
+            run["prompts"], spec, settings, run["model"], num_blocks, BLOCK_SIZE, scale, delay
+        )
         out[name] = {
             "trace": asdict(spec),
-            "measured": _figures(real),
+            "cost_model": asdict(run["model"]),
+            "load_average_before_after": run["load_average"],
+            "engine_busy_s": {"measured": run["busy_s"], "simulated": simulated["busy_s"]},
+            "measured": _figures(run["real"]),
             "simulated": _figures(simulated),
-            "errors": errors(real, simulated),
+            "errors": errors(run["real"], simulated),
         }
     return out
 

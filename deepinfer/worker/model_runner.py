@@ -19,6 +19,7 @@ from deepinfer.model.deepseek_v3 import DeepseekV3ForCausalLM
 from deepinfer.structured.manager import StructuredOutputs
 from deepinfer.worker.graphs import DecodeGraphs
 from deepinfer.worker.inputs import InputBuilder, StepInputs
+from deepinfer.worker.penalties import PenaltyState
 from deepinfer.worker.sampler import SamplingRow, sample_rows, top_logprobs
 from deepinfer.worker.spec_decode import MTPProposer
 
@@ -80,6 +81,7 @@ class ModelRunner:
         self.block_size = inputs.block_size
         self.device = inputs.device
         self.eos_token_ids = eos_token_ids
+        self.penalties = PenaltyState()  # penalised requests' token counts, kept across steps
         self.synchronize = synchronize  # the platform's: waits for queued device work (timing)
         self.structured = structured
         self.proposer = proposer
@@ -135,8 +137,16 @@ class ModelRunner:
             plan.spans.append((r, len(plan.rows), drafts))
             for j in range(len(drafts) + 1):
                 plan.hidden_rows.append(first + j)
-                history = r.output_token_ids + drafts[:j] if j else r.output_token_ids
-                plan.rows.append(SamplingRow(r.sampling_params, r.seed, r.prompt_token_ids, history))
+                plan.rows.append(
+                    SamplingRow(
+                        r.request_id,
+                        r.sampling_params,
+                        r.seed,
+                        r.prompt_token_ids,
+                        r.output_token_ids,
+                        drafts[:j],
+                    )
+                )
         return plan
 
     def _sample_and_verify(
@@ -150,7 +160,7 @@ class ModelRunner:
         request's new token.
         """
         logits = self.model.compute_logits(hidden[torch.tensor(plan.hidden_rows, device=self.device)])
-        result = sample_rows(logits, plan.rows, self.eos_token_ids, bitmask)
+        result = sample_rows(logits, plan.rows, self.eos_token_ids, self.penalties, bitmask)
         for r, start, drafts in plan.spans:
             tokens = result.token_ids[start : start + len(drafts) + 1]
             accepted = 0

@@ -7,7 +7,7 @@ the model's device; per-request parameters are gathered into small tensors once 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -15,16 +15,25 @@ from torch import Tensor
 from deepinfer.backends import ops
 from deepinfer.outputs import Logprob
 from deepinfer.sampling_params import SamplingParams
+from deepinfer.worker.penalties import PenaltyState
 
 
 @dataclass(slots=True)
 class SamplingRow:
-    """One row of logits to sample: the request's parameters and the token history before it."""
+    """One row of logits to sample: the request's parameters and the token history before it, which is
+    the request's output so far and then ``drafts`` (its speculative tokens ahead of this row)."""
 
+    request_id: str
     sampling_params: SamplingParams
     seed: int
     prompt_token_ids: list[int]
-    output_token_ids: list[int]  # generated tokens before this row's; its length is the RNG offset
+    output_token_ids: list[int]  # the request's own output list (the scheduler's, which only grows)
+    drafts: list[int] = field(default_factory=list)
+
+    @property
+    def offset(self) -> int:
+        """Generated tokens before this row's: its RNG offset and min_tokens count."""
+        return len(self.output_token_ids) + len(self.drafts)
 
 
 @dataclass(slots=True)
@@ -33,31 +42,30 @@ class SampleResult:
     logprobs: list[list[tuple[int, float, int]] | None]  # per row: (token, logprob, rank), sampled first
 
 
-def _penalise(logits: Tensor, rows: list[SamplingRow]) -> None:
-    """Repetition / frequency / presence penalties (vLLM semantics), in place, for rows that use them."""
+def _penalise(logits: Tensor, rows: list[SamplingRow], state: PenaltyState) -> None:
+    """Repetition / frequency / presence penalties (vLLM semantics), in place, for rows that use them:
+    repetition over the prompt and output tokens, frequency and presence over the output tokens."""
     vocab = logits.shape[1]
     for i, r in enumerate(rows):
         p = r.sampling_params
         if not p.needs_penalties:
             continue
+        seen, counts = state.history(
+            r.request_id, r.prompt_token_ids, r.output_token_ids, r.drafts, vocab, logits.device
+        )
         row = logits[i]
         if p.repetition_penalty != 1.0:
-            seen = torch.tensor(
-                r.prompt_token_ids + r.output_token_ids, dtype=torch.int64, device=logits.device
-            )
-            seen = seen.unique()
-            values = row[seen]
-            row[seen] = torch.where(values > 0, values / p.repetition_penalty, values * p.repetition_penalty)
-        if r.output_token_ids and (p.frequency_penalty or p.presence_penalty):
-            out = torch.tensor(r.output_token_ids, dtype=torch.int64, device=logits.device)
-            counts = torch.bincount(out, minlength=vocab)[:vocab].to(row.dtype)
-            row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
+            scaled = torch.where(row > 0, row / p.repetition_penalty, row * p.repetition_penalty)
+            row.copy_(torch.where(seen, scaled, row))
+        if r.offset and (p.frequency_penalty or p.presence_penalty):
+            c = counts.to(row.dtype)
+            row -= p.frequency_penalty * c + p.presence_penalty * (c > 0).to(row.dtype)
 
 
 def _mask_stops_before_min_tokens(logits: Tensor, rows: list[SamplingRow], eos: frozenset[int]) -> None:
     for i, r in enumerate(rows):
         p = r.sampling_params
-        if len(r.output_token_ids) < p.min_tokens:
+        if r.offset < p.min_tokens:
             banned = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos))
             if banned:
                 logits[i, list(banned)] = float("-inf")
@@ -78,18 +86,23 @@ def top_logprobs(logits: Tensor, chosen: Tensor, k: int) -> list[list[tuple[int,
 
 
 def sample_rows(
-    logits: Tensor, rows: list[SamplingRow], eos: frozenset[int], bitmask: Tensor | None = None
+    logits: Tensor,
+    rows: list[SamplingRow],
+    eos: frozenset[int],
+    penalties: PenaltyState,
+    bitmask: Tensor | None = None,
 ) -> SampleResult:
-    """logits: [N, V] float32, one per row; ``bitmask`` [N, ceil(V/32)] int32 (structured outputs) forbids
-    tokens. Returns the sampled tokens and, for requests that asked for them, log-probabilities of the
+    """logits: [N, V] float32, one per row; ``penalties`` holds the penalised requests' token counts
+    across steps; ``bitmask`` [N, ceil(V/32)] int32 (structured outputs) forbids tokens. Returns the sampled tokens and, for requests that asked for them, log-probabilities of the
     raw (unpenalised, unmasked) distribution."""
     device = logits.device
     raw = logits
+    penalties.retain(r.request_id for r in rows if r.sampling_params.needs_penalties)
     if bitmask is not None or any(
         r.sampling_params.needs_penalties or r.sampling_params.min_tokens for r in rows
     ):
         logits = logits.clone()
-        _penalise(logits, rows)
+        _penalise(logits, rows, penalties)
         _mask_stops_before_min_tokens(logits, rows, eos)
         if bitmask is not None:
             ops.apply_token_bitmask(logits, bitmask.to(logits.device))
@@ -101,7 +114,7 @@ def sample_rows(
         torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device),
         torch.tensor([p.min_p for p in params], dtype=torch.float32, device=device),
         torch.tensor([r.seed for r in rows], dtype=torch.int64, device=device),
-        torch.tensor([len(r.output_token_ids) for r in rows], dtype=torch.int64, device=device),
+        torch.tensor([r.offset for r in rows], dtype=torch.int64, device=device),
     )
     logprobs: list[list[tuple[int, float, int]] | None] = [None] * len(rows)
     wanting = [i for i, p in enumerate(params) if p.logprobs is not None]

@@ -21,7 +21,7 @@ import zmq
 
 from deepinfer.config import EngineConfig
 from deepinfer.core import messages as m
-from deepinfer.core.launch import CoreThread, describe_exit
+from deepinfer.core.launch import CoreThread, core_environment, describe_exit
 from deepinfer.engine.llm_engine import LLMEngine
 from deepinfer.llm import LLM
 from deepinfer.sampling_params import SamplingParams
@@ -197,3 +197,9 @@ def test_a_core_process_dies_with_its_front(tiny_model: Path, tmp_path: Path) ->
 
 def test_exit_descriptions() -> None:
     assert describe_exit(-9) == "killed by SIGKILL" and describe_exit(1) == "exited with code 1"
+
+
+def test_a_core_process_sleeps_its_idle_openmp_threads_unless_told_otherwise() -> None:
+    env = core_environment({"PATH": "/bin"})
+    assert env == {"PATH": "/bin", "OMP_WAIT_POLICY": "PASSIVE"}
+    assert core_environment({"OMP_WAIT_POLICY": "ACTIVE"})["OMP_WAIT_POLICY"] == "ACTIVE"

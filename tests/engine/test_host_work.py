@@ -1,11 +1,12 @@
 """Host work per decode step does not grow with the context: counted, not timed.
 
-Eight requests decode together with 100-token and with 4,000-token prompts. For whole engine steps
+Eight requests (half of them with repetition and frequency penalties) decode together with 100-token
+and with 4,000-token prompts. For whole engine steps
 (schedule, inputs, forward, sampling, outputs) the test counts the Python bytecodes executed (every
 Python-level operation of the host path), the peak of memory allocated by Python and numpy during
 the step (lists and arrays built on the host), and the block-table entries the input builder writes.
-Rebuilding block-id lists or block tables from every request's full history would make each grow
-with the context.
+Rebuilding block-id lists, block tables or penalty tensors from every request's full history would
+make them grow with the context.
 """
 
 from __future__ import annotations
@@ -14,10 +15,12 @@ import statistics
 import sys
 import tracemalloc
 
+import pytest
+
 from deepinfer import LLM, SamplingParams
 
 BATCH = 8
-MEASURED_STEPS = 4
+MEASURED_STEPS = 3
 
 
 def _decode_step_work(context: int) -> dict[str, float]:
@@ -26,9 +29,13 @@ def _decode_step_work(context: int) -> dict[str, float]:
         enable_prefix_caching=False,
     )  # fmt: skip
     engine = llm.engine
-    params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
+    plain = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
+    penalised = SamplingParams(
+        temperature=0.0, max_tokens=64, ignore_eos=True, repetition_penalty=1.1, frequency_penalty=0.2
+    )
     for i in range(BATCH):
-        engine.add_request(f"r{i}", None, [(7 * j + i) % 300 + 2 for j in range(context)], params)
+        prompt = [(7 * j + i) % 300 + 2 for j in range(context)]
+        engine.add_request(f"r{i}", None, prompt, penalised if i % 2 else plain)
     while any(r.num_output_tokens < 2 for r in engine.scheduler.requests.values()):
         engine.step()  # prefill every prompt; then all eight decode in every step
     engine.step()  # one decode step outside the measurement (first-call effects)
@@ -67,6 +74,7 @@ def _decode_step_work(context: int) -> dict[str, float]:
     return {name: statistics.median(values) for name, values in per_step.items()}
 
 
+@pytest.mark.slow  # ~25 s on two quiet cores (32k prompt tokens, then bytecode-traced steps); minutes under load
 def test_decode_step_host_work_is_flat_in_the_context() -> None:
     short, long = _decode_step_work(100), _decode_step_work(4000)
     for name in ("opcodes", "host_bytes"):

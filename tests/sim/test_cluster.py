@@ -6,6 +6,7 @@ import pytest
 from deepinfer.engine.cost_model import StepCostModel
 from deepinfer.engine.scheduler import Scheduler
 from deepinfer.platform.chips import sku_facts
+from deepinfer.router.config import RouterConfig
 from deepinfer.sim.cluster import ClusterConfig, EngineKnobs, PoolConfig, Simulation
 from deepinfer.sim.costs import CalibratedCost, RooflineCost
 from deepinfer.sim.policies import TierRetention, retention_policy
@@ -105,3 +106,31 @@ def test_bad_cluster_configs() -> None:
         PoolConfig("both", 0, 1, CalibratedCost(CPU), knobs)
     with pytest.raises(ValueError, match="window is empty"):
         summarise(aggregated(), 10, 5, 1)
+
+
+def test_the_routers_own_policies_route_in_the_simulator() -> None:
+    # P/D: the router's plan sends a prompt under min_disaggregated_tokens straight to a decode rank
+    # and a longer one through a prefill rank (two hops, the decode rank chosen at arrival).
+    cost = CalibratedCost(CPU)
+    knobs = EngineKnobs(num_blocks=4000, block_size=16, max_num_batched_tokens=2048)
+    config = ClusterConfig(
+        [PoolConfig("prefill", 1, 2, cost, knobs), PoolConfig("decode", 1, 2, cost, knobs)],
+        router=RouterConfig(min_disaggregated_tokens=512),
+    )
+    sim = Simulation(config)
+    short = Arrival(0.0, "short", "code", (Segment(("s",), 100),), 8)
+    long = Arrival(0.0, "long", "code", (Segment(("l",), 1000),), 8)
+    sim.run([short, long], until=100)
+    assert sim.router.routes == {"short": 1, "long": 0, "two_hop": 1}
+    assert all(len(t.token_times) == 8 for t in sim.traces.values())
+    prefill_ranks = [r for w in sim.pools["prefill"] for r in w.ranks]
+    assert sum(r.tokens_done for r in prefill_ranks) == 1000  # only the long prompt was prefilled there
+    assert sim.env.now < 100  # stopped once every request finished
+    # Aggregated: a burst that arrives between two load polls still spreads over the ranks, because
+    # the router's LoadBook counts its own dispatches since the last report.
+    sim = Simulation(
+        ClusterConfig([PoolConfig("both", 1, 4, cost, knobs)], router=RouterConfig(poll_interval_s=10.0))
+    )
+    burst = [Arrival(0.001 * i, f"r{i}", "code", (Segment(("b", i), 800),), 4) for i in range(8)]
+    sim.run(burst, until=100)
+    assert [r.tokens_done > 0 for w in sim.pools["both"] for r in w.ranks] == [True] * 4

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from deepinfer.sim.planner import NoDeploymentMeetsSLO, Planner, PlanOptions, parse_slo
+from deepinfer.sim.planner import NoDeploymentMeetsSLO, Planner, PlanOptions, _bisect, parse_slo
 from deepinfer.sim.workload import LengthDist, TrafficClass, WorkloadSpec
 
 FAST = PlanOptions(cache_requests=2000, cache_horizon_s=4 * 3600, cache_warm_s=60, window_s=10, warmup_s=3,
@@ -74,3 +74,18 @@ def test_cli_errors_are_clear(tmp_path) -> None:
         [*run, "--workload", str(good), "--chip", "tpu9"], capture_output=True, text=True, timeout=120
     )
     assert out.returncode != 0 and "unknown chip 'tpu9'" in out.stderr
+
+
+def test_the_search_grows_by_the_miss_then_bisects() -> None:
+    tried = []
+
+    def meets(size: int) -> tuple[bool, float]:
+        tried.append(size)
+        return size >= 13, 20 / size  # the smallest that meets is 13
+
+    assert _bisect(4, meets, budget=10) == 13
+    assert tried[:3] == [4, 8, 16]  # grows by the miss (clamped to 2x), then bisects 8..16
+    assert len(tried) <= 7
+    tried.clear()
+    assert _bisect(40, meets, budget=10) == 13 and tried[:2] == [40, 20]  # starts above: halves
+    assert _bisect(4, lambda s: (False, 3.0), budget=3) == 32  # 4, 8, 16 missed: the next to try

@@ -20,7 +20,7 @@ def test_simulator_matches_the_engine_within_15_percent() -> None:
     from deepinfer.model_zoo import default_model_path
     from deepinfer.sim.validation import ServerSettings, TraceSpec, run_validation
 
-    common = {"num_requests": 80, "request_rate": 2.0, "output_len": 64}
+    common = {"num_requests": 80, "request_rate": 1.0, "output_len": 64}
     result = run_validation(
         str(default_model_path()), TraceSpec(seed=1, **common), TraceSpec(seed=2, **common), ServerSettings()
     )

@@ -7,6 +7,7 @@ failed, and while the server drains.
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Literal
 
@@ -60,7 +61,9 @@ async def health(ctx: Serving) -> JSONResponse:
         reason = "the server is shutting down"
     elif client.healthy:
         role = worker_role(ctx)
-        return JSONResponse({"status": "ok", "role": role.value, "engine_cores": client.core_pids()})
+        return JSONResponse(
+            {"status": "ok", "role": role.value, "pid": os.getpid(), "engine_cores": client.core_pids()}
+        )
     else:
         reason = client.error or "the engine core is starting"
     return JSONResponse(
