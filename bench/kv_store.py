@@ -2,14 +2,18 @@
 and offline throughput with the store on (every lookup missing) against the store off.
 
     .venv/bin/python bench/kv_store.py [--prompt-len 8000] [--reps 3] [--out bench/results/kv_store.json]
+    .venv/bin/python bench/kv_store.py --skip-ttft --store-cpu --reps 6 \
+        --out bench/results/kv_store_overhead.json
 
 TTFT, per rep in this order (so the three alternate): cold (prefix caching off, the same prompt),
 disk (a fresh engine on the store path: device and host empty; the prompt's files are dropped from the
 page cache with posix_fadvise first, so the disk is really read), host (the same engine after a filler
 prompt evicted the prefix from the device). Throughput: ``deepinfer bench offline``'s workload, store
 off and store on with a new empty directory each run (every lookup misses, every full block is saved
-and written behind), alternated A B A B; medians. The bundled model's max_model_len is 8192
-(max_position_embeddings), so an 8,000-token prompt fits without raising it. ``--swa`` adds the bounded
+and written behind), alternated A B B A (each side first in half the pairs); medians; 192 requests
+a rep (over 10 s on a quiet 2-core host). ``--store-cpu``: the store's CPU share from thread CPU
+times, the measure that survives a loaded host (wall-clock ratios there are noise). The bundled
+model's max_model_len is 8192 (max_position_embeddings), so an 8,000-token prompt fits without raising it. ``--swa`` adds the bounded
 SWA replay's logit drift on a random sliding-window model (transformers writes it).
 """
 
@@ -19,9 +23,11 @@ import argparse
 import json
 import os
 import random
+import resource
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from deepinfer import LLM, SamplingParams
@@ -97,26 +103,128 @@ def bench_ttft(prompt_len: int, reps: int, root: Path) -> dict:
     }
 
 
-def bench_throughput(reps: int, root: Path) -> dict:
-    workload = Workload()
-    results = {"off": [], "on_all_miss": []}
+def _cpu_seconds() -> float:
+    """This process's user + system CPU time, every thread (the store's writer and readers too)."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def bench_throughput(reps: int, root: Path, num_requests: int, after_pair: Callable[[dict], None]) -> dict:
+    """Offline throughput, store off and store on (a new empty directory each run, so every lookup
+    misses and every full block is saved and written behind), alternated A B B A; medians. Each rep
+    records its wall time (a rep under 10 s is too short to trust on a noisy machine: raise
+    ``--num-requests``), the load average around it and the process's CPU time (every thread, the
+    store's writer included): CPU seconds per output token is the overhead's second, less
+    load-sensitive measure. ``after_pair`` gets the summary so far after each off/on pair (the caller
+    saves it, so a run cut short still leaves its completed pairs)."""
+    workload = Workload(num_requests=num_requests)
+    results: dict[str, list[float]] = {"off": [], "on_all_miss": []}
+    cpu: dict[str, list[float]] = {"off": [], "on_all_miss": []}  # process CPU s per output token
+    reps_log = []
+    env = None
     for rep in range(reps):
-        for side in ("off", "on_all_miss"):
+        sides = ("off", "on_all_miss") if rep % 2 == 0 else ("on_all_miss", "off")  # A B B A: no order bias
+        for side in sides:
             store = KVStoreConfig(path=str(root / f"miss-{rep}")) if side == "on_all_miss" else None
             llm = LLM(kv_store=store)
+            env = env or environment(llm.engine)
+            load_before = os.getloadavg()[0]
+            cpu_before = _cpu_seconds()
             r = run_offline(llm, workload)
+            cpu_s = _cpu_seconds() - cpu_before
             if store is not None:
-                hits = llm.engine.kv_store_stats()["hit_blocks"]
-                assert hits == 0, f"expected every lookup to miss, {hits} blocks hit"
+                stats = llm.engine.kv_store_stats()
+                assert stats["hit_blocks"] == 0, f"expected every lookup to miss, {stats['hit_blocks']} hit"
+                assert stats["misses"] > 0, "the store saw no lookup"
                 llm.engine.kv_connector.close()
             results[side].append(r["output_tokens_per_s"])
+            cpu[side].append(cpu_s / r["output_tokens"])
+            reps_log.append(
+                {
+                    "rep": rep,
+                    "side": side,
+                    "wall_s": r["wall_s"],
+                    "output_tokens_per_s": r["output_tokens_per_s"],
+                    "cpu_s": cpu_s,
+                    "load_1m_before": load_before,
+                    "load_1m_after": os.getloadavg()[0],
+                }
+            )
+            print(json.dumps(reps_log[-1]), flush=True)
             del llm
+        after_pair(_summary(results, cpu, reps_log, workload, env))
+    return _summary(results, cpu, reps_log, workload, env)
+
+
+def _summary(results: dict, cpu: dict, reps_log: list, workload: Workload, env: dict | None) -> dict:
     med = {k: statistics.median(v) for k, v in results.items()}
     return {
+        "pairs": len(results["off"]),
         "output_tokens_per_s": results,
         "median_output_tokens_per_s": med,
         "ratio_on_over_off": med["on_all_miss"] / med["off"],
+        "cpu_s_per_output_token": cpu,
+        "cpu_ratio_on_over_off": statistics.median(cpu["on_all_miss"]) / statistics.median(cpu["off"]),
+        "min_rep_wall_s": min(r["wall_s"] for r in reps_log),
+        "reps": reps_log,
         "workload": workload.describe(),
+        "env": env,
+    }
+
+
+def _thread_cpu_s(native_id: int) -> float:
+    """User + system CPU seconds of one thread of this process (Linux /proc)."""
+    fields = Path(f"/proc/self/task/{native_id}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def bench_store_cpu(root: Path, num_requests: int) -> dict:
+    """The store's CPU share with every lookup missing, from thread CPU times (CPU time, unlike wall
+    time, barely moves with the machine's load): the engine thread's CPU inside the connector's calls
+    (lookups at admission, save bookkeeping, device -> host copies after each forward, polling) and
+    the store's own threads' CPU (write-behind with checksums and fsync, loaders), against the engine
+    thread's CPU for the whole run."""
+    import threading
+
+    llm = LLM(kv_store=KVStoreConfig(path=str(root / "cpu-account")))
+    connector = llm.engine.kv_connector
+    spent: dict[str, float] = {}
+
+    def timed(name: str, fn: Callable) -> Callable:
+        def call(*args, **kwargs):
+            t0 = time.thread_time()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                spent[name] = spent.get(name, 0.0) + time.thread_time() - t0
+
+        return call
+
+    for name in ("begin_load", "poll", "saves", "save_blocks"):
+        setattr(connector, name, timed(name, getattr(connector, name)))
+    store_threads = [t for t in threading.enumerate() if t.name.startswith("deepinfer-kv-")]
+    before = {t.native_id: _thread_cpu_s(t.native_id) for t in store_threads}
+    main0 = time.thread_time()
+    r = run_offline(llm, Workload(num_requests=num_requests))
+    main_s = time.thread_time() - main0
+    connector.store.flush(120)
+    store_threads = [t for t in threading.enumerate() if t.name.startswith("deepinfer-kv-")]
+    threads_s = sum(_thread_cpu_s(t.native_id) - before.get(t.native_id, 0.0) for t in store_threads)
+    stats = llm.engine.kv_store_stats()
+    assert stats["hit_blocks"] == 0, f"expected every lookup to miss, {stats['hit_blocks']} hit"
+    connector.close()
+    engine_side = sum(spent.values())
+    return {
+        "engine_thread_cpu_s": main_s,
+        "engine_thread_cpu_in_store_calls_s": spent,
+        "store_threads_cpu_s": threads_s,
+        "store_share_of_engine_thread": engine_side / main_s,
+        "store_cpu_over_engine_thread_cpu": (engine_side + threads_s) / main_s,
+        "blocks_written": stats["tiers"]["disk"]["writes"],
+        "wall_s": r["wall_s"],
+        "output_tokens": r["output_tokens"],
+        "load_1m": os.getloadavg(),
+        "workload": Workload(num_requests=num_requests).describe(),
     }
 
 
@@ -164,28 +272,40 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=8000)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--skip-throughput", action="store_true")
+    ap.add_argument("--skip-ttft", action="store_true", help="only the store-off vs all-miss throughput")
+    ap.add_argument("--num-requests", type=int, default=192, help="requests per throughput rep")
+    ap.add_argument("--store-cpu", action="store_true", help="the store's CPU share (thread CPU times)")
     ap.add_argument("--swa", action="store_true")
     ap.add_argument("--out", default="bench/results/kv_store.json")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="kvstore-bench-", dir=os.environ.get("TMPDIR")) as tmp:
         root = Path(tmp)
         t0 = time.perf_counter()
-        result = {"ttft": bench_ttft(args.prompt_len, args.reps, root)}
-        print(
-            json.dumps(
-                {
-                    k: result["ttft"][k]
-                    for k in ("median_ttft_s", "speedup_disk_vs_cold", "speedup_host_vs_cold")
-                }
+        result: dict = {}
+        if not args.skip_ttft:
+            result["ttft"] = bench_ttft(args.prompt_len, args.reps, root)
+            print(
+                json.dumps(
+                    {
+                        k: result["ttft"][k]
+                        for k in ("median_ttft_s", "speedup_disk_vs_cold", "speedup_host_vs_cold")
+                    }
+                )
             )
-        )
         if not args.skip_throughput:
-            result["throughput"] = bench_throughput(args.reps, root)
+
+            def save_partial(summary: dict) -> None:
+                Path(args.out).write_text(json.dumps({**result, "throughput": summary}, indent=1) + "\n")
+
+            result["throughput"] = bench_throughput(args.reps, root, args.num_requests, save_partial)
             print(
                 json.dumps(
                     {k: result["throughput"][k] for k in ("median_output_tokens_per_s", "ratio_on_over_off")}
                 )
             )
+        if args.store_cpu:
+            result["store_cpu"] = bench_store_cpu(root, args.num_requests)
+            print(json.dumps(result["store_cpu"]))
         if args.swa:
             result["swa"] = bench_swa_drift(root)
             print(json.dumps(result["swa"]))

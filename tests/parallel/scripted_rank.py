@@ -17,7 +17,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from deepinfer.core.launch import CoreProcess, CoreSpec
+from deepinfer.core.launch import CoreProcess, CoreSpec, core_environment
 from deepinfer.tokenizer import Tokenizer
 from tests.conftest import REPO_ROOT
 
@@ -52,7 +52,7 @@ class ScriptedRankProcess(CoreProcess):
             spec.model_dump_json(),
             str(script_dir),
         ]
-        env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+        env = {**core_environment(os.environ), "PYTHONPATH": str(REPO_ROOT)}
         self._proc = subprocess.Popen(command, stdin=subprocess.DEVNULL, cwd=REPO_ROOT, env=env)
 
 
