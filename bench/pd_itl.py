@@ -42,6 +42,7 @@ from pathlib import Path
 import httpx
 
 from deepinfer.bench.serve import RequestResult, _one, summarise
+from deepinfer.bench.sse_client import SSEConnection
 from deepinfer.bench.workload import heldout_stream
 from deepinfer.model_zoo import default_model_path
 from deepinfer.router.cluster import _die_with_parent, free_port
@@ -126,15 +127,18 @@ def schedule(
 
 
 async def run(url: str, plan: list[tuple[float, list[int], int, str]]) -> dict[str, list[RequestResult]]:
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(600), limits=limits) as client:
-        start = time.perf_counter()
+    address = httpx.URL(url)
+    start = time.perf_counter()
 
-        async def one(at: float, prompt: list[int], n: int) -> RequestResult:
-            await asyncio.sleep(max(0.0, at - (time.perf_counter() - start)))
-            return await _one(client, url, MODEL, prompt, n, None)
+    async def one(at: float, prompt: list[int], n: int) -> RequestResult:
+        await asyncio.sleep(max(0.0, at - (time.perf_counter() - start)))
+        conn = SSEConnection(address.host, address.port)  # one connection a request: none waits on another
+        try:
+            return await _one(conn, MODEL, prompt, n, None)
+        finally:
+            conn.close()
 
-        results = await asyncio.gather(*(one(at, prompt, n) for at, prompt, n, _ in plan))
+    results = await asyncio.gather(*(one(at, prompt, n) for at, prompt, n, _ in plan))
     by_kind: dict[str, list[RequestResult]] = {"short": [], "long": []}
     for (_, _, _, kind), result in zip(plan, results):
         by_kind[kind].append(result)
