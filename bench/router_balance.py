@@ -26,6 +26,7 @@ import signal
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -87,9 +88,13 @@ def placement(served: list[str | None], lengths: list[int], urls: list[str], mod
     return balance(placed, costs).balance
 
 
-def start_router(urls: list[str], policy: str, model: str | None) -> tuple[subprocess.Popen, str]:
+def start_router(
+    urls: list[str], policy: str, model: str | None, decode: list[str] = ()
+) -> tuple[subprocess.Popen, str]:
+    """A router over ``urls`` (both-role workers, or prefill workers when ``decode`` is given)."""
     port = free_port()
-    cmd = [sys.executable, "-m", "deepinfer.cli", "router", "--both", *urls, "--port", str(port), "--prefill-policy",
+    pool = ["--prefill", *urls, "--decode", *decode] if decode else ["--both", *urls]
+    cmd = [sys.executable, "-m", "deepinfer.cli", "router", *pool, "--port", str(port), "--prefill-policy",
            policy, "--min-disaggregated-tokens", "0", "--log-level", "warning", *(["--model", model] if model else [])]  # fmt: skip
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
     url = f"http://{LOOPBACK}:{port}"
@@ -120,6 +125,11 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", help="model folder (default: the bundled deepinfer-tiny-coder)")
     parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument(
+        "--disaggregated",
+        action="store_true",
+        help="--workers prefill + --workers decode workers on a shared KV store (every request two hops)",
+    )
     parser.add_argument("--requests", type=int, default=48)
     parser.add_argument("--min-len", type=int, default=64)
     parser.add_argument("--max-len", type=int, default=3072)
@@ -141,11 +151,17 @@ def main() -> int:
     lengths = skewed_lengths(args.requests, args.min_len, args.max_len, args.alpha, args.seed)
     serve_args = ["--kv-cache-memory-gib", "0.5", "--max-model-len", str(args.max_len + args.output_len + 16)]
     runs = []
-    with workers_running({"both": args.workers}, model, serve_args, threads=1) as workers:
-        urls = [w.url for w in workers]
+    counts = (
+        {"prefill": args.workers, "decode": args.workers} if args.disaggregated else {"both": args.workers}
+    )
+    if args.disaggregated:
+        serve_args += ["--kv-shared-path", tempfile.mkdtemp(prefix="deepinfer-balance-store-")]
+    with workers_running(counts, model, serve_args, threads=1) as workers:
+        urls = [w.url for w in workers if w.role != "decode"]
+        decode = [w.url for w in workers if w.role == "decode"]
         for rep in range(args.reps):
             for i, policy in enumerate(POLICIES):
-                proc, url = start_router(urls, policy, args.model)
+                proc, url = start_router(urls, policy, args.model, decode)
                 try:
                     meter = BusyMeter.attach(url)
                     batch = prompts(lengths, vocab, seed=args.seed + 1000 * rep + i + 1)
@@ -156,22 +172,26 @@ def main() -> int:
                     cost_model = StepCostModel(
                         **httpx.get(f"{url}/router/workers").json()[urls[0]]["cost_model"]
                     )
-                    placed = placement(served, lengths, urls, cost_model, args.output_len)
+                    # two hops: the answer names the decode worker, so where the prompt went is not known
+                    placed = None if decode else placement(served, lengths, urls, cost_model, args.output_len)
                 finally:
                     stop(proc)
                 ok = sum(w is not None for w in served)
                 run = {"rep": rep, "policy": policy, "completed": ok, "wall_s": wall, "load_avg_1m": os.getloadavg()[0],
                        **result, "placement_balance": placed}  # fmt: skip
                 runs.append(run)
-                print(f"rep {rep} {policy:>17}: balance {result['balance']:.3f} (placement {placed:.3f}), busy "
+                print(f"rep {rep} {policy:>17}: balance {result['balance']:.3f} (placement {placed}), busy "
                       f"{sorted(round(v, 2) for v in result['busy_s'].values())} s, {ok}/{len(lengths)} ok, "
                       f"load {run['load_avg_1m']:.1f}", flush=True)  # fmt: skip
     summary = {p: statistics.median(r["balance"] for r in runs if r["policy"] == p) for p in POLICIES}
     placed = {
-        p: statistics.median(r["placement_balance"] for r in runs if r["policy"] == p) for p in POLICIES
+        p: None
+        if args.disaggregated
+        else statistics.median(r["placement_balance"] for r in runs if r["policy"] == p)
+        for p in POLICIES
     }
     for policy, value in summary.items():
-        print(f"median balance {policy:>17}: {value:.3f} (placement {placed[policy]:.3f})")
+        print(f"median balance {policy:>17}: {value:.3f} (placement {placed[policy]})")
     if args.out:
         out = {"config": vars(args), "prompt_lengths": lengths, "median_balance": summary,
                "median_placement_balance": placed, "runs": runs}  # fmt: skip
