@@ -111,7 +111,16 @@ class StoreConnector:
             if config.shared_path
             else None
         )
-        self.store = KVStore(namespace, slot_bytes, host_slots, self.policy, disk, shared, pin_memory)
+        self.store = KVStore(
+            namespace,
+            slot_bytes,
+            host_slots,
+            self.policy,
+            disk,
+            shared,
+            pin_memory,
+            max_pending_writes=config.write_queue_blocks,
+        )
         self._checked: set[str] = set()  # requests already looked up in the store (once per admission)
         self._loading: dict[str, _Load] = {}
         self._saved: dict[str, int] = {}  # request id -> blocks saved so far
@@ -247,8 +256,7 @@ class StoreConnector:
         if not reserved:
             return
         self._copy_out([r[3] for r in reserved], [r[1] for r in reserved])
-        for key, slot, cls, _ in reserved:
-            self.store.commit(key, slot, cls)
+        self.store.commit_many([(key, slot, cls) for key, slot, cls, _ in reserved])
 
     def _copy_in(self, slots: list[int], block_ids: list[int]) -> None:
         """Host slots -> device blocks, one gather and one indexed copy per cache tensor."""
@@ -271,11 +279,12 @@ class StoreConnector:
     def _copy_out(self, block_ids: list[int], slots: list[int]) -> None:
         """Device blocks -> host slots (call after the forward that computed them)."""
         ids = torch.tensor(block_ids, device=self.kv_caches[0][0].device)
-        parts = [
-            self.kv_caches[layer][t].index_select(0, ids).view(len(ids), -1).view(torch.uint8).cpu()
-            for layer, t, _ in self._segments
-        ]
-        self.store.host.data[torch.tensor(slots)] = torch.cat(parts, dim=1)
+        rows = torch.tensor(slots)
+        offset = 0
+        for layer, t, n in self._segments:
+            part = self.kv_caches[layer][t].index_select(0, ids).view(len(ids), -1).view(torch.uint8)
+            self.store.host.data[:, offset : offset + n].index_copy_(0, rows, part.cpu())
+            offset += n
 
     def stats(self) -> dict:
         return self.store.snapshot()
