@@ -279,12 +279,11 @@ class StoreConnector:
     def _copy_out(self, block_ids: list[int], slots: list[int]) -> None:
         """Device blocks -> host slots (call after the forward that computed them)."""
         ids = torch.tensor(block_ids, device=self.kv_caches[0][0].device)
-        rows = torch.tensor(slots)
-        offset = 0
-        for layer, t, n in self._segments:
-            part = self.kv_caches[layer][t].index_select(0, ids).view(len(ids), -1).view(torch.uint8)
-            self.store.host.data[:, offset : offset + n].index_copy_(0, rows, part.cpu())
-            offset += n
+        parts = [
+            self.kv_caches[layer][t].index_select(0, ids).view(len(ids), -1).view(torch.uint8).cpu()
+            for layer, t, _ in self._segments
+        ]
+        self.store.host.data[torch.tensor(slots)] = torch.cat(parts, dim=1)
 
     def stats(self) -> dict:
         return self.store.snapshot()
