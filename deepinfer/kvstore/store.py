@@ -38,6 +38,9 @@ from deepinfer.kvstore.host_tier import HostTier
 from deepinfer.kvstore.keys import StoreNamespace
 from deepinfer.kvstore.metrics import StoreMetrics
 from deepinfer.kvstore.retention import RetentionPolicy
+from deepinfer.logger import get_logger
+
+logger = get_logger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -337,6 +340,8 @@ class KVStore:
                 items = [(k, self._host_rows[s].data, c) for k, s, c in batch if s is not None]
                 for tier in self.files:
                     tier.write_batch(items, now)
+            except OSError:  # a full or failing disk: this batch stays in host memory, the writer goes on
+                logger.exception("kv store: writing %d blocks behind failed", len(batch))
             finally:
                 with self._lock:
                     writes = 0
@@ -437,6 +442,12 @@ class KVStore:
 def lower_thread_priority() -> None:
     """Give the calling thread the lowest CPU priority (nice 19, Linux: a thread has its own nice
     value), so background store work runs on cycles the engine leaves idle. Elsewhere (no per-thread
-    nice) the thread keeps its priority."""
+    nice) the thread keeps its priority; where the call is refused (a sandbox), a warning says so."""
     if sys.platform.startswith("linux"):
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+        except OSError as e:
+            logger.warning(
+                "kv store: cannot lower the write-behind thread's priority (%s); it runs at normal priority",
+                e,
+            )

@@ -133,3 +133,27 @@ def test_a_shared_tier_fsyncs_each_file(tmp_path: Path, monkeypatch: pytest.Monk
     t.write_batch([(k, b"z" * 3000, "chat") for k in keys(5)], time.time())
     assert len(synced) >= 5 + 1  # every file, and the directories
     assert t.counters.writes == 5
+
+
+def test_a_failed_batch_is_logged_and_the_writer_keeps_writing(tmp_path: Path, caplog) -> None:
+    store = KVStore(NS, 256, 16, POLICY, disk=DirSpec(tmp_path, 1 << 20))
+    write_batch = store.files[0].write_batch
+    failures = []
+
+    def once_full(items, now):
+        if not failures:
+            failures.append(len(items))
+            raise OSError(28, "No space left on device")
+        write_batch(items, now)
+
+    store.files[0].write_batch = once_full
+    ks = keys(2)
+    commit(store, ks[0], 1)
+    assert store.flush(30)
+    commit(store, ks[1], 2)
+    assert store.flush(30)  # the writer survived the failure
+    assert failures == [1] and "writing 1 blocks behind failed" in caplog.text
+    assert store.host.leases == {}
+    store.close()
+    disk = tier(tmp_path)
+    assert disk.read(ks[0], time.time()) is None and bytes(disk.read(ks[1], time.time())) == bytes([2]) * 256
