@@ -5,7 +5,9 @@ connector (or by a tool such as a prefill/decode handoff). Tiers, fastest first:
 pool in host memory, always present: it is where loads land and saves start), ``disk`` and
 ``shared`` (``FileTier`` directories), each optional and sized by the user. A key is served by the
 fastest tier holding it; a load from a file tier promotes the block into host memory; a save commits
-into host memory and is written behind (a background thread) to disk and shared. Blocks are bytes:
+into host memory and is written behind (a background thread, batched, with a bounded backlog whose
+overflow stays in host memory, counted in ``writes_dropped``; lowest CPU priority when there is no
+shared tier) to disk and shared. Blocks are bytes:
 ``slot_bytes`` per block, laid out by the caller (the connector copies each cache layer's block
 tensors into its slot in a fixed order that ``keys.LAYOUT_VERSION`` names).
 
@@ -315,7 +317,10 @@ class KVStore:
         self._writes.put(items)
 
     def _write_loop(self) -> None:
-        lower_thread_priority()
+        # Local tiers only: the lowest priority (their writes serve later reuse, not a waiting
+        # peer). A shared tier keeps the engine's priority: a prefill->decode handoff waits for it.
+        if not any(tier.shared for tier in self.files):
+            lower_thread_priority()
         while True:
             first = self._writes.get()
             if first is None:

@@ -67,7 +67,7 @@ def test_max_pending_writes_must_be_positive(tmp_path: Path) -> None:
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread nice is Linux's")
-def test_the_writer_thread_runs_at_the_lowest_priority_and_the_engine_thread_does_not(tmp_path: Path) -> None:
+def test_a_local_writer_runs_at_the_lowest_priority_and_the_engine_thread_does_not(tmp_path: Path) -> None:
     before = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
     store = KVStore(NS, 256, 4, POLICY, disk=DirSpec(tmp_path, 1 << 20))
     commit(store, keys(1)[0], 1)
@@ -77,6 +77,14 @@ def test_the_writer_thread_runs_at_the_lowest_priority_and_the_engine_thread_doe
     assert os.getpriority(os.PRIO_PROCESS, writer) == 19
     assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == before
     store.close()
+    # With a shared tier (a prefill->decode handoff waits for its writes) the writer keeps its priority.
+    shared = KVStore(
+        NS, 256, 4, POLICY, disk=DirSpec(tmp_path / "d", 1 << 20), shared=DirSpec(tmp_path / "s", 1 << 20)
+    )
+    commit(shared, keys(1)[0], 1)
+    assert shared.flush(30)
+    assert os.getpriority(os.PRIO_PROCESS, shared._writer.native_id) == before
+    shared.close()
 
 
 def tier(root: Path) -> FileTier:
