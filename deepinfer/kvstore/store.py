@@ -6,8 +6,7 @@ pool in host memory, always present: it is where loads land and saves start), ``
 ``shared`` (``FileTier`` directories), each optional and sized by the user. A key is served by the
 fastest tier holding it; a load from a file tier promotes the block into host memory; a save commits
 into host memory and is written behind (a background thread, batched, with a bounded backlog whose
-overflow stays in host memory, counted in ``writes_dropped``; lowest CPU priority when there is no
-shared tier) to disk and shared. Blocks are bytes:
+overflow stays in host memory, counted in ``writes_dropped``) to disk and shared. Blocks are bytes:
 ``slot_bytes`` per block, laid out by the caller (the connector copies each cache layer's block
 tensors into its slot in a fixed order that ``keys.LAYOUT_VERSION`` names).
 
@@ -25,7 +24,6 @@ import json
 import os
 import queue
 import socket
-import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -317,10 +315,6 @@ class KVStore:
         self._writes.put(items)
 
     def _write_loop(self) -> None:
-        # Local tiers only: the lowest priority (their writes serve later reuse, not a waiting
-        # peer). A shared tier keeps the engine's priority: a prefill->decode handoff waits for it.
-        if not any(tier.shared for tier in self.files):
-            lower_thread_priority()
         while True:
             first = self._writes.get()
             if first is None:
@@ -442,17 +436,3 @@ class KVStore:
         self._loader.shutdown(wait=True)
         self._readers.shutdown(wait=True)
         self._record_stats()
-
-
-def lower_thread_priority() -> None:
-    """Give the calling thread the lowest CPU priority (nice 19, Linux: a thread has its own nice
-    value), so background store work runs on cycles the engine leaves idle. Elsewhere (no per-thread
-    nice) the thread keeps its priority; where the call is refused (a sandbox), a warning says so."""
-    if sys.platform.startswith("linux"):
-        try:
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
-        except OSError as e:
-            logger.warning(
-                "kv store: cannot lower the write-behind thread's priority (%s); it runs at normal priority",
-                e,
-            )
