@@ -73,7 +73,10 @@ class StepCostModel:
         # per_attention/2 * n^2 + (per_token + per_attention * (c + 1/2)) * n - budget <= 0
         a = self.per_attention_s / 2
         b = self.per_token_s + self.per_attention_s * (num_cached + 0.5)
-        n = int(budget / b if a == 0 else (-b + math.sqrt(b * b + 4 * a * budget)) / (2 * a))
+        if budget <= 0:  # the request's own overhead and context read already overrun the time left
+            n = 0
+        else:
+            n = int(budget / b if a == 0 else (-b + math.sqrt(b * b + 4 * a * budget)) / (2 * a))
         if n < 2:  # a lone token skips the context expansion (absorbed form)
             n = int(self.marginal(1, num_cached) <= seconds)
         return max(0, min(limit, n))

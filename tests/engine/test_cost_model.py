@@ -145,3 +145,13 @@ def test_measured_step_times_correct_the_budget() -> None:
     run_decodes(decodes, 4)
     decodes.observe_step_time(decodes.schedule(), 10.0)
     assert decodes.time_scale == 1.0
+
+
+def test_largest_chunk_after_a_context_whose_read_alone_overruns_the_time_left() -> None:
+    # The context's read-back costs more than the time left: no multi-token chunk fits, a lone token
+    # (absorbed form, no read-back) still does. (This used to take the square root of a negative
+    # number and kill the engine core.)
+    model = StepCostModel(0.014, 3e-5, 1e-6, 1e-9, 4e-5, "calibrated")
+    assert model.largest_chunk(4000, 0.1, limit=2048) == 1
+    assert model.largest_chunk(4000, 1e-6, limit=2048) == 0
+    assert model.largest_chunk(10, 0.1, limit=2048) > 1
