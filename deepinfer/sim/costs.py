@@ -30,21 +30,34 @@ class ForwardCost(Protocol):
     def step_seconds(self, ranks: Sequence[Sequence[Work]]) -> float:
         """Seconds of one lockstep step; ``ranks[i]`` is rank i's (new, cached) work."""
 
+    def runner_seconds(self, ranks: Sequence[Sequence[Work]]) -> float:
+        """Of those, what the engine's model runner measures and feeds back to its scheduler's time
+        budget (``Scheduler.observe_step_time``)."""
+
     def scheduler_model(self) -> StepCostModel:
         """The cost model the engine's scheduler on one rank uses for its time budget."""
 
 
 @dataclass(frozen=True, slots=True)
 class CalibratedCost:
-    """The engine's measured cost model; one rank (a single aggregated engine). ``scale`` corrects
-    for what the forward-pass calibration does not see (the serving front sharing the host); the
-    scheduler still gets the model itself, as in the engine, and its feedback learns the rest."""
+    """Measured cost models of one aggregated engine (one rank).
+
+    ``model`` is the scheduler's: the engine's start-up calibration, which cuts prompt chunks to the
+    step time budget, as in the engine. ``step`` is the served step's period, from one step's start
+    to the next's (scheduling, the forward pass, applying the results and the core loop's messaging),
+    and ``runner`` the model runner's share of it (what the engine feeds back to its scheduler): both
+    fitted by :func:`deepinfer.sim.validation.fit_served_steps` to real served steps' compositions
+    and durations (``deepinfer.core.step_log``). Left out, each is the one before it."""
 
     model: StepCostModel
-    scale: float = 1.0
+    step: StepCostModel | None = None
+    runner: StepCostModel | None = None
 
     def step_seconds(self, ranks: Sequence[Sequence[Work]]) -> float:
-        return self.scale * max(self.model.predict(work) for work in ranks)
+        return max((self.step or self.model).predict(work) for work in ranks)
+
+    def runner_seconds(self, ranks: Sequence[Sequence[Work]]) -> float:
+        return max((self.runner or self.step or self.model).predict(work) for work in ranks)
 
     def scheduler_model(self) -> StepCostModel:
         return self.model
@@ -254,6 +267,9 @@ class RooflineCost:
         return (
             self.efficiency.step_overhead_s + attention + self.moe_seconds(mean_tokens * self.ep, max(tokens))
         )
+
+    def runner_seconds(self, ranks: Sequence[Sequence[Work]]) -> float:
+        return self.step_seconds(ranks)  # no host loop modelled apart: the whole step is the runner's
 
     def scheduler_model(self) -> StepCostModel:
         """A StepCostModel fitted to this roofline on single-rank prompt chunks and decode batches at
