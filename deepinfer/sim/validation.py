@@ -298,8 +298,9 @@ class CoreLog:
         return out
 
     def idle_at(self, t: float, until: float) -> bool:
-        """Whether no step ran at any time in [t, until]."""
-        return not any(s["t0"] <= until and s["t1"] >= t for s in self.steps)
+        """Whether no step ran at any time in (t, until): none delayed a request sent at ``t`` and
+        taken at ``until``."""
+        return not any(s["t0"] < until and s["t1"] > t for s in self.steps)
 
 
 def fit_served_steps(log: CoreLog) -> tuple[StepCostModel, StepCostModel, dict]:
