@@ -18,8 +18,9 @@ model fitted to itself, as the engine's start-up calibration fits one to the rea
 
 from __future__ import annotations
 
+import random
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from deepinfer.engine.cost_model import StepCostModel, Work, attention_pairs
@@ -47,17 +48,30 @@ class CalibratedCost:
     to the next's (scheduling, the forward pass, applying the results and the core loop's messaging),
     and ``runner`` the model runner's share of it (what the engine feeds back to its scheduler): both
     fitted by :func:`deepinfer.sim.validation.fit_served_steps` to real served steps' compositions
-    and durations (``deepinfer.core.step_log``). Left out, each is the one before it."""
+    and durations (``deepinfer.core.step_log``). Left out, each is the one before it.
+
+    ``jitter``: measured over predicted runner times of real steps; each runner time fed back is the
+    prediction times one of them, drawn at random (seeded by ``seed``). The engine's time budget
+    follows the 90th percentile of those ratios (``Scheduler.observe_step_time``), so a host's jitter
+    shrinks its prompt chunks, which a clock without it would not show. The clock itself stays the
+    expected step time."""
 
     model: StepCostModel
     step: StepCostModel | None = None
     runner: StepCostModel | None = None
+    jitter: tuple[float, ...] = ()
+    seed: int = 0
+    _rng: random.Random = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_rng", random.Random(self.seed))
 
     def step_seconds(self, ranks: Sequence[Sequence[Work]]) -> float:
         return max((self.step or self.model).predict(work) for work in ranks)
 
     def runner_seconds(self, ranks: Sequence[Sequence[Work]]) -> float:
-        return max((self.runner or self.step or self.model).predict(work) for work in ranks)
+        seconds = max((self.runner or self.step or self.model).predict(work) for work in ranks)
+        return seconds * self._rng.choice(self.jitter) if self.jitter else seconds
 
     def scheduler_model(self) -> StepCostModel:
         return self.model

@@ -323,7 +323,8 @@ def fit_served_steps(log: CoreLog) -> tuple[StepCostModel, StepCostModel, dict]:
     works = [[tuple(w) for w in s["work"]] for s in steps]
     period = StepCostModel.fit_mean(list(zip(works, periods)), "served step period")
     runner = StepCostModel.fit_mean([(w, s["forward_s"]) for w, s in zip(works, steps)], "served runner")
-    summary = {"steps": len(steps), "median_loop_gap_s": gap,
+    jitter = tuple(s["forward_s"] / runner.predict(w) for w, s in zip(works, steps))
+    summary = {"steps": len(steps), "median_loop_gap_s": gap, "jitter": jitter,
                "median_host_s": statistics.median(s["t1"] - s["t0"] - s["forward_s"] for s in steps)}  # fmt: skip
     return period, runner, summary
 
@@ -536,7 +537,8 @@ def _check_setup(
         fit_handoff(cal, cal_logs["prefill"], cal_logs["decode"], block_size) if "prefill" in roles else None
     )
     pools = [
-        PoolConfig(role, 1, 1, CalibratedCost(startup, fits[role][0], fits[role][1]), knobs) for role in roles
+        PoolConfig(role, 1, 1, CalibratedCost(startup, p, r, summary.pop("jitter")), knobs)
+        for role, (p, r, summary) in fits.items()
     ]
     result: dict = {
         "startup_cost_model": asdict(startup),
