@@ -3,7 +3,8 @@ a held-out trace through one aggregated ``deepinfer serve`` and through a 1 pref
 ``deepinfer cluster``, and through the simulator calibrated on the calibration trace's served steps.
 Writes bench/results/sim_validation.json and prints the tables.
 
-    PYTHONPATH=$PWD .venv/bin/python bench/sim_validate.py      # about 6 minutes on a quiet host
+    PYTHONPATH=$PWD .venv/bin/python bench/sim_validate.py   # est. 6-7 min on a quiet host (443 s for
+                                                              # --num-requests 32 at load 8-11)
 
 The report gives the host's load average around each trace.
 """
