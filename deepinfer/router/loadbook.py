@@ -9,7 +9,13 @@ that step reaches the engine only after it. The report says how many such reques
 by the server, ``num_in_flight``, minus those in the engine), and the router counts its own most recent
 dispatches before the report as those. So a burst of requests spreads across workers instead of piling
 onto the one that looked idle at the last poll, nothing is counted twice, and several router replicas
-still see each other's load at the next report. Pure bookkeeping: callers pass the time (``now``), nothing here
+still see each other's load at the next report.
+
+The book also learns how fast each worker really computes prompts: every prompt whose end the router
+sees (:meth:`LoadBook.prefilled`) compares the time it took since dispatch with what was predicted for
+it (the worker's backlog at dispatch plus its own cost). The decayed sums of both, weighted by size,
+give the worker's ``slowdown`` (measured / predicted seconds; 1.0 until a sample arrives), so a worker
+slowed by a neighbour or a cost model that is off by a constant shows up in its view. Pure bookkeeping: callers pass the time (``now``), nothing here
 reads a clock or does I/O, so the simulator drives it with its own clock.
 """
 
@@ -26,6 +32,7 @@ class _Dispatch:
     sent_at: float
     prefill_s: float  # predicted prompt compute on the chosen worker
     kv_tokens: int  # prompt tokens: KV the worker will hold once the prompt is computed
+    ahead_s: float = 0.0  # predicted prompt work already on the worker when it was sent
     prefilled_at: float | None = None  # first output byte seen
     finished_at: float | None = None
 
@@ -35,6 +42,18 @@ class _Worker:
     report: WorkerLoad
     reported_at: float  # when the report was requested
     admitted: bool = True
+    measured_s: float = 0.0  # decayed sum of the prompt latencies seen (see the module docstring)
+    predicted_s: float = 0.0  # decayed sum of what was predicted for them
+
+    @property
+    def slowdown(self) -> float:
+        if self.predicted_s <= 0:
+            return 1.0
+        return min(SLOWDOWN_RANGE[1], max(SLOWDOWN_RANGE[0], self.measured_s / self.predicted_s))
+
+
+SLOWDOWN_DECAY = 0.9  # weight of the past per new sample
+SLOWDOWN_RANGE = (0.05, 20.0)  # a worker's slowdown is clipped to this
 
 
 class LoadBook:
@@ -80,13 +99,21 @@ class LoadBook:
 
     # ------------------------------------------------------------------ this router's requests
     def dispatched(self, url: str, request_id: str, prefill_s: float, kv_tokens: int, now: float) -> None:
-        self._dispatches[url][request_id] = _Dispatch(now, prefill_s, kv_tokens)
+        ahead = self.view(url).prefill_backlog_s
+        self._dispatches[url][request_id] = _Dispatch(now, prefill_s, kv_tokens, ahead)
 
     def prefilled(self, url: str, request_id: str, now: float) -> None:
-        """The worker produced the request's first output: its prompt is computed."""
+        """The worker produced the request's first output: its prompt is computed. A dispatch with
+        predicted prompt work is also a sample of the worker's slowdown."""
         d = self._dispatches.get(url, {}).get(request_id)
-        if d is not None and d.prefilled_at is None:
-            d.prefilled_at = now
+        if d is None or d.prefilled_at is not None:
+            return
+        d.prefilled_at = now
+        predicted = d.ahead_s + d.prefill_s
+        if d.prefill_s > 0 and predicted > 0:
+            worker = self._workers[url]
+            worker.measured_s = SLOWDOWN_DECAY * worker.measured_s + (now - d.sent_at)
+            worker.predicted_s = SLOWDOWN_DECAY * worker.predicted_s + predicted
 
     def finished(self, url: str, request_id: str, now: float) -> None:
         """The request ended on ``url`` (done, failed or abandoned); idempotent."""
@@ -134,6 +161,7 @@ class LoadBook:
             kv_capacity_tokens=r.engine.kv_capacity_tokens,
             admitted=worker.admitted and r.healthy,
             kv_store_id=r.kv_store_id,
+            slowdown=worker.slowdown,
         )
 
     def views(self) -> list[WorkerView]:
