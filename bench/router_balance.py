@@ -194,20 +194,22 @@ def main() -> int:
                     served = asyncio.run(send(url, name, batch, args.output_len, args.rate, args.seed + rep))
                     wall = time.perf_counter() - started
                     result = meter.finish([(n, args.output_len) for n in lengths])
-                    cost_model = StepCostModel(
-                        **httpx.get(f"{url}/router/workers").json()[urls[0]]["cost_model"]
-                    )
+                    status = httpx.get(f"{url}/router/workers").json()
+                    cost_model = StepCostModel(**status[urls[0]]["cost_model"])
+                    slowdown = {u: status[u]["prefill_slowdown"] for u in urls}
                     placed = placement(served, lengths, urls, cost_model, args.output_len, bool(decode))
                 finally:
                     stop(proc)
                 ok = sum(w is not None for w in served)
                 run = {"rep": rep, "policy": policy, "completed": ok, "wall_s": wall, "load_avg_1m": os.getloadavg()[0],
-                       **result, "placement_balance": placed}  # fmt: skip
+                       **result, "placement_balance": placed, "prefill_slowdown": slowdown,
+                       "prompt_workers": [urls.index(w) if w in urls else None for w in served]}  # fmt: skip
                 runs.append(run)
                 decode_part = f", decode pool {result['decode_balance']:.3f}" if decode else ""
                 print(f"rep {rep} {policy:>28}: balance {result['balance']:.3f} (placement {placed:.3f}{decode_part}), "
                       f"busy {sorted(round(v, 2) for v in result['busy_s'].values())} s, {ok}/{len(lengths)} ok, "
-                      f"wall {wall:.1f} s, load {run['load_avg_1m']:.1f}", flush=True)  # fmt: skip
+                      f"wall {wall:.1f} s, slowdown {[round(v, 2) for v in slowdown.values()]}, "
+                      f"load {run['load_avg_1m']:.1f}", flush=True)  # fmt: skip
     summary = {p: statistics.median(r["balance"] for r in runs if r["policy"] == p) for p in args.policies}
     placed = {
         p: statistics.median(r["placement_balance"] for r in runs if r["policy"] == p) for p in args.policies

@@ -161,6 +161,7 @@ def build_router_app(config: RouterConfig) -> FastAPI:
                 **status,
                 "active_requests": view.active_requests,
                 "prefill_backlog_s": view.prefill_backlog_s,
+                "prefill_slowdown": view.slowdown,
                 "kv_tokens_held": view.kv_tokens_held,
                 "busy_s": report.engine.busy_s,
                 "cost_model": msgspec.structs.asdict(report.cost_model),

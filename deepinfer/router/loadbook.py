@@ -53,7 +53,7 @@ class _Worker:
 
 
 SLOWDOWN_DECAY = 0.9  # weight of the past per new sample
-SLOWDOWN_RANGE = (0.05, 20.0)  # a worker's slowdown is clipped to this
+SLOWDOWN_RANGE = (1e-3, 1e3)  # a worker's slowdown is clipped to this (a cost model off by 1000x is broken)
 
 
 class LoadBook:
