@@ -12,16 +12,18 @@ onto the one that looked idle at the last poll, nothing is counted twice, and se
 still see each other's load at the next report.
 
 The book also learns how fast each worker really computes prompts: every prompt whose end the router
-sees (:meth:`LoadBook.prefilled`) compares the time it took since dispatch with what was predicted for
-it (the worker's backlog at dispatch plus its own cost). The decayed sums of both, weighted by size,
-give the worker's ``slowdown`` (measured / predicted seconds; 1.0 until a sample arrives), so a worker
-slowed by a neighbour or a cost model that is off by a constant shows up in its view. Pure bookkeeping: callers pass the time (``now``), nothing here
+sees (:meth:`LoadBook.prefilled`) is a sample of the time it took since dispatch against what was
+predicted for it (the worker's backlog at dispatch plus its own cost). A decayed least-squares line
+through the samples, latency = overhead + slowdown x predicted, gives the worker's ``slowdown`` (real
+seconds per predicted second; 1.0 until a sample arrives): the per-hop overhead (HTTP, handing the KV
+to the store) stays out of it, and a worker slowed by a neighbour or a cost model that is off by a
+constant shows up in its view. Pure bookkeeping: callers pass the time (``now``), nothing here
 reads a clock or does I/O, so the simulator drives it with its own clock.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from deepinfer.router.load import WorkerLoad
 from deepinfer.router.policies import WorkerView
@@ -42,18 +44,42 @@ class _Worker:
     report: WorkerLoad
     reported_at: float  # when the report was requested
     admitted: bool = True
-    measured_s: float = 0.0  # decayed sum of the prompt latencies seen (see the module docstring)
-    predicted_s: float = 0.0  # decayed sum of what was predicted for them
+    speed: _SpeedFit = field(default_factory=lambda: _SpeedFit())
+
+
+SLOWDOWN_DECAY = 0.95  # weight of the past per new sample
+SLOWDOWN_RANGE = (1e-3, 1e3)  # a worker's slowdown is clipped to this (a cost model off by 1000x is broken)
+MIN_SPREAD = 0.05  # squared coefficient of variation of the predicted sizes a line needs (else: a ratio)
+
+
+@dataclass(slots=True)
+class _SpeedFit:
+    """Decayed least squares of latency = overhead + slowdown x predicted (see the module docstring).
+    With under 3 samples, sizes too alike to tell the two terms apart, or a line that would need a
+    negative overhead, the fit goes through the origin (latency = slowdown x predicted)."""
+
+    n: float = 0.0
+    x: float = 0.0  # predicted seconds
+    y: float = 0.0  # measured seconds
+    xx: float = 0.0
+    xy: float = 0.0
+
+    def add(self, predicted_s: float, measured_s: float) -> None:
+        d = SLOWDOWN_DECAY
+        self.n, self.x, self.y = d * self.n + 1, d * self.x + predicted_s, d * self.y + measured_s
+        self.xx, self.xy = d * self.xx + predicted_s**2, d * self.xy + predicted_s * measured_s
 
     @property
     def slowdown(self) -> float:
-        if self.predicted_s <= 0:
+        if self.xx <= 0:
             return 1.0
-        return min(SLOWDOWN_RANGE[1], max(SLOWDOWN_RANGE[0], self.measured_s / self.predicted_s))
-
-
-SLOWDOWN_DECAY = 0.9  # weight of the past per new sample
-SLOWDOWN_RANGE = (1e-3, 1e3)  # a worker's slowdown is clipped to this (a cost model off by 1000x is broken)
+        slope = self.xy / self.xx
+        spread = self.n * self.xx - self.x**2
+        if self.n >= 3 and spread > MIN_SPREAD * self.x**2:
+            line = (self.n * self.xy - self.x * self.y) / spread
+            if line > 0 and self.y - line * self.x >= 0:
+                slope = line
+        return min(SLOWDOWN_RANGE[1], max(SLOWDOWN_RANGE[0], slope))
 
 
 class LoadBook:
@@ -111,9 +137,7 @@ class LoadBook:
         d.prefilled_at = now
         predicted = d.ahead_s + d.prefill_s
         if d.prefill_s > 0 and predicted > 0:
-            worker = self._workers[url]
-            worker.measured_s = SLOWDOWN_DECAY * worker.measured_s + (now - d.sent_at)
-            worker.predicted_s = SLOWDOWN_DECAY * worker.predicted_s + predicted
+            self._workers[url].speed.add(predicted, now - d.sent_at)
 
     def finished(self, url: str, request_id: str, now: float) -> None:
         """The request ended on ``url`` (done, failed or abandoned); idempotent."""
@@ -161,7 +185,7 @@ class LoadBook:
             kv_capacity_tokens=r.engine.kv_capacity_tokens,
             admitted=worker.admitted and r.healthy,
             kv_store_id=r.kv_store_id,
-            slowdown=worker.slowdown,
+            slowdown=worker.speed.slowdown,
         )
 
     def views(self) -> list[WorkerView]:

@@ -44,6 +44,19 @@ def test_load_book_learns_each_workers_slowdown_from_the_prompts_it_sees_end() -
     assert book.view("a").slowdown == pytest.approx(3.0)
 
 
+def test_the_slowdown_leaves_out_a_fixed_per_hop_overhead() -> None:
+    book = LoadBook()
+    book.observe("a", idle_report(), requested_at=0.0)
+    now = 0.0
+    for i, predicted in enumerate([0.01, 0.1, 0.02, 0.2, 0.05, 0.01, 0.15]):
+        book.dispatched("a", f"r{i}", prefill_s=predicted, kv_tokens=1, now=now)
+        now += 0.05 + 2.0 * predicted  # 50 ms of HTTP and store per hop, then twice the predicted compute
+        book.prefilled("a", f"r{i}", now)
+        book.finished("a", f"r{i}", now)
+    # the plain ratio of the sums would say about 2.6; the line says 2
+    assert book.view("a").slowdown == pytest.approx(2.0, rel=1e-6)
+
+
 def run(coro):
     return asyncio.run(asyncio.wait_for(coro, 30))
 
