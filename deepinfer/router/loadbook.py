@@ -11,19 +11,19 @@ dispatches before the report as those. So a burst of requests spreads across wor
 onto the one that looked idle at the last poll, nothing is counted twice, and several router replicas
 still see each other's load at the next report.
 
-The book also learns how fast each worker really computes prompts: every prompt whose end the router
-sees (:meth:`LoadBook.prefilled`) is a sample of the time it took since dispatch against what was
-predicted for it (the worker's backlog at dispatch plus its own cost). A decayed least-squares line
-through the samples, latency = overhead + slowdown x predicted, gives the worker's ``slowdown`` (real
-seconds per predicted second; 1.0 until a sample arrives): the per-hop overhead (HTTP, handing the KV
-to the store) stays out of it, and a worker slowed by a neighbour or a cost model that is off by a
-constant shows up in its view. Pure bookkeeping: callers pass the time (``now``), nothing here
+The book also learns how fast each worker really computes prompts: between two of its reports, the
+engine seconds it spent (``busy_s``) against the predicted seconds of the prompts whose end the router
+saw in that time (:meth:`LoadBook.prefilled`, or the request's end). Decayed sums of both give the
+worker's ``slowdown``, real seconds per predicted second (1.0 until the worker has done predicted
+work): a worker slowed by a neighbour on its cores, by its own decodes, or a cost model that is off
+by a constant shows up in its view, while the per-hop overhead (HTTP, handing the KV to the store)
+stays out of it. Pure bookkeeping: callers pass the time (``now``), nothing here
 reads a clock or does I/O, so the simulator drives it with its own clock.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from deepinfer.router.load import WorkerLoad
 from deepinfer.router.policies import WorkerView
@@ -34,7 +34,6 @@ class _Dispatch:
     sent_at: float
     prefill_s: float  # predicted prompt compute on the chosen worker
     kv_tokens: int  # prompt tokens: KV the worker will hold once the prompt is computed
-    ahead_s: float = 0.0  # predicted prompt work already on the worker when it was sent
     prefilled_at: float | None = None  # first output byte seen
     finished_at: float | None = None
 
@@ -44,42 +43,33 @@ class _Worker:
     report: WorkerLoad
     reported_at: float  # when the report was requested
     admitted: bool = True
-    speed: _SpeedFit = field(default_factory=lambda: _SpeedFit())
-
-
-SLOWDOWN_DECAY = 0.95  # weight of the past per new sample
-SLOWDOWN_RANGE = (1e-3, 1e3)  # a worker's slowdown is clipped to this (a cost model off by 1000x is broken)
-MIN_SPREAD = 0.05  # squared coefficient of variation of the predicted sizes a line needs (else: a ratio)
-
-
-@dataclass(slots=True)
-class _SpeedFit:
-    """Decayed least squares of latency = overhead + slowdown x predicted (see the module docstring).
-    With under 3 samples, sizes too alike to tell the two terms apart, or a line that would need a
-    negative overhead, the fit goes through the origin (latency = slowdown x predicted)."""
-
-    n: float = 0.0
-    x: float = 0.0  # predicted seconds
-    y: float = 0.0  # measured seconds
-    xx: float = 0.0
-    xy: float = 0.0
-
-    def add(self, predicted_s: float, measured_s: float) -> None:
-        d = SLOWDOWN_DECAY
-        self.n, self.x, self.y = d * self.n + 1, d * self.x + predicted_s, d * self.y + measured_s
-        self.xx, self.xy = d * self.xx + predicted_s**2, d * self.xy + predicted_s * measured_s
+    done_s: float = 0.0  # predicted seconds of the prompts seen to end, in all
+    done_at_report_s: float = 0.0  # done_s when the report was taken in
+    busy_s: float = 0.0  # decayed sum of engine seconds between reports
+    busy_done_s: float = 0.0  # decayed sum of done_s between reports
 
     @property
     def slowdown(self) -> float:
-        if self.xx <= 0:
+        if self.busy_done_s <= 0:
             return 1.0
-        slope = self.xy / self.xx
-        spread = self.n * self.xx - self.x**2
-        if self.n >= 3 and spread > MIN_SPREAD * self.x**2:
-            line = (self.n * self.xy - self.x * self.y) / spread
-            if line > 0 and self.y - line * self.x >= 0:
-                slope = line
-        return min(SLOWDOWN_RANGE[1], max(SLOWDOWN_RANGE[0], slope))
+        return min(SLOWDOWN_RANGE[1], max(SLOWDOWN_RANGE[0], self.busy_s / self.busy_done_s))
+
+    def prompt_done(self, d: _Dispatch, now: float) -> None:
+        d.prefilled_at = now
+        self.done_s += d.prefill_s
+
+    def took_in(self, report: WorkerLoad, requested_at: float) -> None:
+        busy = report.engine.busy_s - self.report.engine.busy_s
+        if busy >= 0:  # (a restarted worker starts its count again)
+            done = self.done_s - self.done_at_report_s
+            self.busy_s = SLOWDOWN_DECAY * self.busy_s + busy
+            self.busy_done_s = SLOWDOWN_DECAY * self.busy_done_s + done
+        self.done_at_report_s = self.done_s
+        self.report, self.reported_at = report, requested_at
+
+
+SLOWDOWN_DECAY = 0.9  # weight of the past per report (reports come every poll interval)
+SLOWDOWN_RANGE = (1e-3, 1e3)  # a worker's slowdown is clipped to this (a cost model off by 1000x is broken)
 
 
 class LoadBook:
@@ -106,7 +96,7 @@ class LoadBook:
             self._workers[url] = _Worker(report, requested_at)
             self._dispatches[url] = {}
         else:
-            worker.report, worker.reported_at = report, requested_at
+            worker.took_in(report, requested_at)
         book = self._dispatches[url]
         for rid in [
             r for r, d in book.items() if d.finished_at is not None and d.finished_at <= requested_at
@@ -125,19 +115,13 @@ class LoadBook:
 
     # ------------------------------------------------------------------ this router's requests
     def dispatched(self, url: str, request_id: str, prefill_s: float, kv_tokens: int, now: float) -> None:
-        ahead = self.view(url).prefill_backlog_s
-        self._dispatches[url][request_id] = _Dispatch(now, prefill_s, kv_tokens, ahead)
+        self._dispatches[url][request_id] = _Dispatch(now, prefill_s, kv_tokens)
 
     def prefilled(self, url: str, request_id: str, now: float) -> None:
-        """The worker produced the request's first output: its prompt is computed. A dispatch with
-        predicted prompt work is also a sample of the worker's slowdown."""
+        """The worker produced the request's first output: its prompt is computed."""
         d = self._dispatches.get(url, {}).get(request_id)
-        if d is None or d.prefilled_at is not None:
-            return
-        d.prefilled_at = now
-        predicted = d.ahead_s + d.prefill_s
-        if d.prefill_s > 0 and predicted > 0:
-            self._workers[url].speed.add(predicted, now - d.sent_at)
+        if d is not None and d.prefilled_at is None:
+            self._workers[url].prompt_done(d, now)
 
     def finished(self, url: str, request_id: str, now: float) -> None:
         """The request ended on ``url`` (done, failed or abandoned); idempotent."""
@@ -146,7 +130,7 @@ class LoadBook:
             return
         d.finished_at = now
         if d.prefilled_at is None:
-            d.prefilled_at = now
+            self._workers[url].prompt_done(d, now)
         if d.sent_at >= self._workers[url].reported_at:  # never in a report: nothing to correct
             del self._dispatches[url][request_id]
 
@@ -185,7 +169,7 @@ class LoadBook:
             kv_capacity_tokens=r.engine.kv_capacity_tokens,
             admitted=worker.admitted and r.healthy,
             kv_store_id=r.kv_store_id,
-            slowdown=worker.speed.slowdown,
+            slowdown=worker.slowdown,
         )
 
     def views(self) -> list[WorkerView]:

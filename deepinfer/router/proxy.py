@@ -359,7 +359,7 @@ class Proxy:
         raw = json.dumps(prefill).encode()
         result = await self._attempt(
             api, worker.url, path, raw, headers, False, info, worker.request_cost_s(info), deadline,
-            booked=booked, prefill_only=True,
+            booked=booked,
         )  # fmt: skip
         if isinstance(result, _Failure):
             return result
@@ -407,11 +407,9 @@ class Proxy:
         deadline: float,
         *,
         booked: str | None = None,
-        prefill_only: bool = False,
     ) -> Response | _Failure:
         """One request to one worker. ``booked``: the load book's id of this attempt, already booked
-        (late binding); else it is booked here. ``prefill_only``: the answer ends with the prompt
-        computed (a prefill hop), so it times the worker's prompt speed."""
+        (late binding); else it is booked here."""
         book = self.registry.book
         if booked is None:
             rid = uuid.uuid4().hex
@@ -435,8 +433,6 @@ class Proxy:
                 )
             if not stream or not response.headers.get("content-type", "").startswith("text/event-stream"):
                 body = await _race(response.aread(), ejected, deadline - self.clock())
-                if prefill_only and response.status_code == 200:
-                    book.prefilled(url, rid, self.clock())
                 return self._relay(response, body, url)
             opening, chunks = await self._opening(api, response, ejected, deadline)
             book.prefilled(url, rid, self.clock())
