@@ -14,10 +14,10 @@ still see each other's load at the next report.
 The book also learns how fast each worker really computes prompts: between two of its reports, the
 engine seconds it spent (``busy_s``) against the predicted seconds of the prompts whose end the router
 saw in that time (:meth:`LoadBook.prefilled`, or the request's end). Decayed sums of both give the
-worker's ``slowdown``, real seconds per predicted second (1.0 until the worker has done predicted
-work): a worker slowed by a neighbour on its cores, by its own decodes, or a cost model that is off
+worker's ``slowdown``, real seconds per predicted second (until a worker has done predicted work,
+the median of its peers', or 1.0): a worker slowed by a neighbour on its cores, by its own decodes, or a cost model that is off
 by a constant shows up in its view, while the per-hop overhead (HTTP, handing the KV to the store)
-stays out of it. Pure bookkeeping: callers pass the time (``now``), nothing here
+stays out of it (an ejection resets it). Pure bookkeeping: callers pass the time (``now``), nothing here
 reads a clock or does I/O, so the simulator drives it with its own clock.
 """
 
@@ -49,9 +49,10 @@ class _Worker:
     busy_done_s: float = 0.0  # decayed sum of done_s between reports
 
     @property
-    def slowdown(self) -> float:
+    def slowdown(self) -> float | None:
+        """Real seconds per predicted second; ``None`` until the worker has done predicted work."""
         if self.busy_done_s <= 0:
-            return 1.0
+            return None
         return min(SLOWDOWN_RANGE[1], max(SLOWDOWN_RANGE[0], self.busy_s / self.busy_done_s))
 
     def prompt_done(self, d: _Dispatch, now: float) -> None:
@@ -104,7 +105,12 @@ class LoadBook:
             del book[rid]
 
     def set_admitted(self, url: str, admitted: bool) -> None:
-        self._workers[url].admitted = admitted
+        """Admit or eject ``url``. A re-admitted worker learns its slowdown again (what it learnt spans
+        the outage: a stopped worker's step counts its whole stop), taking its peers' meanwhile."""
+        worker = self._workers[url]
+        if admitted and not worker.admitted:
+            worker.busy_s = worker.busy_done_s = 0.0
+        worker.admitted = admitted
 
     def admitted(self, url: str) -> bool:
         return self._workers[url].admitted
@@ -169,8 +175,16 @@ class LoadBook:
             kv_capacity_tokens=r.engine.kv_capacity_tokens,
             admitted=worker.admitted and r.healthy,
             kv_store_id=r.kv_store_id,
-            slowdown=worker.slowdown,
+            slowdown=worker.slowdown if worker.slowdown is not None else self._peer_slowdown(),
         )
 
     def views(self) -> list[WorkerView]:
         return [self.view(url) for url in self._workers]
+
+    def _peer_slowdown(self) -> float:
+        """The median slowdown of the workers that know theirs (1.0 when none does)."""
+        known = sorted(s for w in self._workers.values() if (s := w.slowdown) is not None)
+        if not known:
+            return 1.0
+        mid = len(known) // 2
+        return known[mid] if len(known) % 2 else (known[mid - 1] + known[mid]) / 2

@@ -47,6 +47,11 @@ def test_load_book_learns_each_workers_slowdown_from_its_engine_seconds() -> Non
     assert 1.0 < book.view("a").slowdown < 3.0
     book.observe("a", idle_report(busy_s=0.0), requested_at=3.0)  # restarted: no sample
     assert 1.0 < book.view("a").slowdown < 3.0
+    book.observe("b", idle_report(), requested_at=3.0)
+    assert book.view("b").slowdown == book.view("a").slowdown  # new: its peers' meanwhile
+    book.set_admitted("a", False)
+    book.set_admitted("a", True)  # back after an outage: it learns again
+    assert book.view("a").slowdown == 1.0  # no peer knows its own
 
 
 def run(coro):
