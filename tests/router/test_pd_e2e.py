@@ -85,7 +85,12 @@ def test_a_corrupt_block_in_the_store_is_recomputed_not_read(pd: Cluster) -> Non
     and the ones after it counted as recomputed, the lease acked."""
     c = pd
     (p,), (d,) = c.workers_of("prefill"), c.workers_of("decode")
-    text = LONG + "\n    for key in sorted(os.environ):\n        print(key, os.environ[key])\n"
+    # Its first line is its own: no other test leaves this prefix in a worker's prefix cache.
+    text = (
+        "# environment dump\n"
+        + LONG
+        + "\n    for key in sorted(os.environ):\n        print(key, os.environ[key])\n"
+    )
     body = {"model": MODEL, "prompt": text, "max_tokens": 8, "temperature": 0}
     order = {"handoff_id": "corrupt-test", "deadline_unix": time.time() + 60, "lease_s": 30.0}
     r = httpx.post(f"{p}/v1/completions", json={**body, "max_tokens": 1, "kv_transfer": order}, timeout=60)
