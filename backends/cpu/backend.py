@@ -17,13 +17,8 @@ OPS.use_reference_for(
 OPS.use_reference_for(["kv_cache_gather"], "one index_select reads each row once")
 OPS.use_reference_for(["mla_prefill"], "torch's fused CPU attention per request; no faster kernel yet")
 OPS.use_reference_for(["linear"], "F.linear is MKL already")
-# Deterministic mode: the invariant attention kernel and the kernels declared invariant are in
-# ``deterministic``; the MoE kernels group rows by the batch, so the mode runs the reference's invariant
-# formulations of those over the same cache layout.
+# Deterministic mode: the invariant attention kernel and grouped products, and the kernels declared
+# invariant, are in ``deterministic``.
 OPS.declare_invariant(["kv_cache_spec", "kv_cache_write"], "the reference's layout; row copies")
-OPS.declare_variant(
-    ["grouped_gemm", "fused_moe"],
-    "torch's grouped GEMM: its per-expert products change kernels with their row counts",
-)
 
 __all__ = ["OPS", "attention", "cache", "deterministic", "moe", "norm"]
