@@ -410,21 +410,37 @@ void mla_attention_invariant_impl(const at::Tensor& q, const at::Tensor& cache, 
         const cache_t* base = cp + (phys * block_size + off0) * width;
         for (int64_t r = 0; r < cnt; ++r) load_row(base + r * width, tile.data() + r * width, width);
         std::fill(tile.begin() + cnt * width, tile.end(), 0.f);
+        if (j0 + cnt < hi) {  // the next tile's rows, while this one is computed
+          const int64_t next = table[b * table_width + (j0 + cnt) / block_size];
+          if (next >= 0 && next < cache_blocks) {
+            const char* nb = reinterpret_cast<const char*>(cp + (next * block_size + (j0 + cnt) % block_size) * width);
+            for (int64_t byte = 0; byte < kTile * width * static_cast<int64_t>(sizeof(cache_t)); byte += 64)
+              __builtin_prefetch(nb + byte);
+          }
+        }
         transpose_tile(tile.data(), tile_t.data(), kTile, width);  // the zero rows too: one full tile
         for (int64_t g0 = 0; g0 < padded; g0 += kHeadGroup) {
           bool any = false;  // does a row of the group see a key of this tile?
-          for (int64_t g = 0; g < kHeadGroup; ++g)
+          bool whole = cnt == kTile;  // ... does every row of the group see all its keys?
+          for (int64_t g = 0; g < kHeadGroup; ++g) {
             any |= pos[g0 + g] >= j0 && from[g0 + g] < j0 + cnt;
+            whole &= pos[g0 + g] >= j0 + kTile - 1 && from[g0 + g] <= j0;
+          }
           if (!any) continue;
           score_tile(qblock.data() + g0 * width, tile_t.data(), sc, kHeadGroup, width, fscale);
           for (int64_t g = 0; g < kHeadGroup; ++g) {
             const int64_t row = g0 + g, p = pos[row], f = from[row];
             float* s = sc + g * kTile;
-            float tile_max = kNegInf;
-            for (int64_t r = 0; r < kTile; ++r) {
-              const int64_t j = j0 + r;
-              if (!(r < cnt && j <= p && j >= f)) s[r] = kNegInf;
-              tile_max = std::max(tile_max, s[r]);
+            float tile_max = kNegInf;  // a maximum: the same in any order, so both branches agree
+            if (whole) {
+#pragma omp simd reduction(max : tile_max)
+              for (int64_t r = 0; r < kTile; ++r) tile_max = std::max(tile_max, s[r]);
+            } else {
+              for (int64_t r = 0; r < kTile; ++r) {
+                const int64_t j = j0 + r;
+                if (!(r < cnt && j <= p && j >= f)) s[r] = kNegInf;
+                tile_max = std::max(tile_max, s[r]);
+              }
             }
             if (tile_max == kNegInf) {  // nothing visible: the state stays, bit for bit
               alpha[g] = 1.f;
@@ -597,6 +613,45 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::T
   return {normed, summed};
 }
 
+// silu(gate) * up for x = [gate | up] rows [rows, 2I] -> [rows, I], in float32: each row in blocks of 16
+// elements through a local buffer, so every element is computed by the same vector code (no scalar tail,
+// no alignment peeling) whatever the row's place in the batch or the thread that runs it.
+template <typename T>
+void silu_mul_rows(const T* x, T* out, int64_t rows, int64_t inter) {
+  constexpr int64_t kBlock = 16;
+  at::parallel_for(0, rows, grain_for(2 * inter), [&](int64_t first, int64_t last) {
+    for (int64_t r = first; r < last; ++r) {
+      const T* gate = x + r * 2 * inter;
+      const T* up = gate + inter;
+      for (int64_t i0 = 0; i0 < inter; i0 += kBlock) {
+        const int64_t n = std::min(kBlock, inter - i0);
+        float g[kBlock] = {}, u[kBlock] = {}, o[kBlock];
+        for (int64_t i = 0; i < n; ++i) {
+          g[i] = static_cast<float>(gate[i0 + i]);
+          u[i] = static_cast<float>(up[i0 + i]);
+        }
+#pragma omp simd
+        for (int64_t i = 0; i < kBlock; ++i) o[i] = g[i] / (1.f + fast_exp(-g[i])) * u[i];
+        for (int64_t i = 0; i < n; ++i) out[r * inter + i0 + i] = static_cast<T>(o[i]);
+      }
+    }
+  });
+}
+
+at::Tensor silu_and_mul_invariant(const at::Tensor& x) {
+  TORCH_CHECK(x.dim() >= 1 && x.size(-1) % 2 == 0, "silu_and_mul: the last dimension must be even");
+  const int64_t inter = x.size(-1) / 2;
+  const at::Tensor xc = x.contiguous();
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = inter;
+  at::Tensor out = at::empty(shape, x.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "silu_and_mul", [&] {
+    silu_mul_rows(xc.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), xc.numel() / std::max<int64_t>(1, 2 * inter),
+                  inter);
+  });
+  return out;
+}
+
 template <typename T>
 inline void rotate(const T* src, T* dst, const float* cs, int64_t rope, bool interleaved) {
   const int64_t half = rope / 2;
@@ -652,6 +707,7 @@ TORCH_LIBRARY(deepinfer_cpu, m) {
   m.def("kv_cache_write(Tensor kv_c, Tensor k_pe, Tensor(a!) cache, Tensor slot_mapping) -> ()");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)");
+  m.def("silu_and_mul_invariant(Tensor x) -> Tensor");
   m.def("rope(Tensor q, Tensor k, Tensor positions, Tensor cos_sin_cache, bool interleaved) -> (Tensor, Tensor)");
 }
 
@@ -661,5 +717,6 @@ TORCH_LIBRARY_IMPL(deepinfer_cpu, CPU, m) {
   m.impl("kv_cache_write", &kv_cache_write);
   m.impl("rms_norm", &rms_norm);
   m.impl("add_rms_norm", &add_rms_norm);
+  m.impl("silu_and_mul_invariant", &silu_and_mul_invariant);
   m.impl("rope", &rope);
 }
