@@ -4,6 +4,7 @@ and offline throughput with the store on (every lookup missing) against the stor
     .venv/bin/python bench/kv_store.py [--prompt-len 8000] [--reps 3] [--out bench/results/kv_store.json]
     .venv/bin/python bench/kv_store.py --skip-ttft --store-cpu --reps 6 \
         --out bench/results/kv_store_overhead.json
+    .venv/bin/python bench/kv_store.py --skip-ttft --skip-throughput --write-path --out /tmp/w.json
 
 TTFT, per rep in this order (so the three alternate): cold (prefix caching off, the same prompt),
 disk (a fresh engine on the store path: device and host empty; the prompt's files are dropped from the
@@ -132,11 +133,20 @@ def bench_throughput(reps: int, root: Path, num_requests: int, after_pair: Calla
             cpu_before = _cpu_seconds()
             r = run_offline(llm, workload)
             cpu_s = _cpu_seconds() - cpu_before
+            store_log = {}
             if store is not None:
+                t0 = time.perf_counter()
+                llm.engine.kv_connector.close()  # drains the write-behind backlog (not timed above)
                 stats = llm.engine.kv_store_stats()
                 assert stats["hit_blocks"] == 0, f"expected every lookup to miss, {stats['hit_blocks']} hit"
                 assert stats["misses"] > 0, "the store saw no lookup"
-                llm.engine.kv_connector.close()
+                store_log = {
+                    "blocks_saved": stats["tiers"]["host"]["writes"],
+                    "blocks_written_to_disk": stats["tiers"]["disk"]["writes"],
+                    "writes_dropped": stats["writes_dropped"],
+                    "saves_refused": stats["saves_refused"],
+                    "backlog_drain_s": time.perf_counter() - t0,
+                }
             results[side].append(r["output_tokens_per_s"])
             cpu[side].append(cpu_s / r["output_tokens"])
             reps_log.append(
@@ -148,6 +158,7 @@ def bench_throughput(reps: int, root: Path, num_requests: int, after_pair: Calla
                     "cpu_s": cpu_s,
                     "load_1m_before": load_before,
                     "load_1m_after": os.getloadavg()[0],
+                    **store_log,
                 }
             )
             print(json.dumps(reps_log[-1]), flush=True)
@@ -166,6 +177,8 @@ def _summary(results: dict, cpu: dict, reps_log: list, workload: Workload, env: 
         "cpu_s_per_output_token": cpu,
         "cpu_ratio_on_over_off": statistics.median(cpu["on_all_miss"]) / statistics.median(cpu["off"]),
         "min_rep_wall_s": min(r["wall_s"] for r in reps_log),
+        "writes_dropped": sum(r.get("writes_dropped", 0) for r in reps_log),
+        "blocks_written_to_disk": sum(r.get("blocks_written_to_disk", 0) for r in reps_log),
         "reps": reps_log,
         "workload": workload.describe(),
         "env": env,
@@ -213,6 +226,7 @@ def bench_store_cpu(root: Path, num_requests: int) -> dict:
     stats = llm.engine.kv_store_stats()
     assert stats["hit_blocks"] == 0, f"expected every lookup to miss, {stats['hit_blocks']} hit"
     connector.close()
+    stats = llm.engine.kv_store_stats()
     engine_side = sum(spent.values())
     return {
         "engine_thread_cpu_s": main_s,
@@ -221,10 +235,51 @@ def bench_store_cpu(root: Path, num_requests: int) -> dict:
         "store_share_of_engine_thread": engine_side / main_s,
         "store_cpu_over_engine_thread_cpu": (engine_side + threads_s) / main_s,
         "blocks_written": stats["tiers"]["disk"]["writes"],
+        "writes_dropped": stats["writes_dropped"],
         "wall_s": r["wall_s"],
         "output_tokens": r["output_tokens"],
         "load_1m": os.getloadavg(),
         "workload": Workload(num_requests=num_requests).describe(),
+    }
+
+
+def bench_write_path(root: Path, blocks: int = 2000, step: int = 40, slot_bytes: int = 25600) -> dict:
+    """The write-behind's CPU per saved block, without an engine: ``blocks`` blocks of ``slot_bytes``
+    (the bundled model's block size) reserved, filled and committed ``step`` at a time with 10 ms
+    between steps (an engine step), then flushed. Engine-thread CPU of the commits, the writer
+    thread's CPU, and the time until every block is durable."""
+    import hashlib
+
+    from deepinfer.kvstore.keys import StoreNamespace, store_key
+    from deepinfer.kvstore.retention import DEFAULT_TTLS, RetentionPolicy
+    from deepinfer.kvstore.store import DirSpec, KVStore
+
+    ns = StoreNamespace("weights", "tok", "layout", 16, "float32", (0,), "full")
+    policy = RetentionPolicy(dict(DEFAULT_TTLS), "chat")
+    store = KVStore(ns, slot_bytes, 2 * blocks, policy, disk=DirSpec(root / "write-path", 1 << 34))
+    writer0 = _thread_cpu_s(store._writer.native_id)
+    t0, cpu0 = time.perf_counter(), time.thread_time()
+    for first in range(0, blocks, step):
+        for i in range(first, min(first + step, blocks)):
+            slot = store.reserve()
+            store.slot(slot).fill_(i % 251)
+            store.commit(store_key(ns.digest(), hashlib.sha256(b"%d" % i).digest()[:16]), slot, "chat")
+        time.sleep(0.01)
+    engine_s = time.thread_time() - cpu0
+    assert store.flush(600), "the write-behind did not drain in 600 s"
+    wall = time.perf_counter() - t0
+    writer_s = _thread_cpu_s(store._writer.native_id) - writer0
+    stats = store.snapshot()
+    store.close()
+    return {
+        "blocks": blocks,
+        "slot_bytes": slot_bytes,
+        "engine_thread_ms_per_block": 1e3 * engine_s / blocks,
+        "writer_thread_ms_per_block": 1e3 * writer_s / blocks,
+        "wall_until_durable_s": wall,
+        "blocks_written": stats["tiers"]["disk"]["writes"],
+        "writes_dropped": stats["writes_dropped"],
+        "load_1m": os.getloadavg(),
     }
 
 
@@ -276,6 +331,7 @@ def main() -> None:
     ap.add_argument("--num-requests", type=int, default=192, help="requests per throughput rep")
     ap.add_argument("--store-cpu", action="store_true", help="the store's CPU share (thread CPU times)")
     ap.add_argument("--swa", action="store_true")
+    ap.add_argument("--write-path", action="store_true", help="the write-behind's CPU per block (no engine)")
     ap.add_argument("--out", default="bench/results/kv_store.json")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="kvstore-bench-", dir=os.environ.get("TMPDIR")) as tmp:
@@ -306,6 +362,9 @@ def main() -> None:
         if args.store_cpu:
             result["store_cpu"] = bench_store_cpu(root, args.num_requests)
             print(json.dumps(result["store_cpu"]))
+        if args.write_path:
+            result["write_path"] = bench_write_path(root)
+            print(json.dumps(result["write_path"]))
         if args.swa:
             result["swa"] = bench_swa_drift(root)
             print(json.dumps(result["swa"]))

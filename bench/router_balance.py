@@ -7,12 +7,17 @@ repetition runs every policy in turn (A B C A B C: the machine is shared and noi
 run hits another's prefix cache) as Poisson arrivals of ``/v1/completions`` with a few output tokens,
 so the work is prompt compute. Every request is routed by the prefill policy
 (``--min-disaggregated-tokens 0``). Balance = perfect makespan (LPT, offline, full knowledge) /
-achieved makespan (the busiest worker's busy time), from ``deepinfer.router.measure``. Also reported: the
-placement balance, the same ratio on predicted costs of where each request went (free of the timing
-noise of a shared machine). Prints one line per run, then the medians per policy; ``--out`` writes the
-JSON.
+achieved makespan (the busiest worker's busy time), from ``deepinfer.router.measure``; with
+``--disaggregated`` over the prefill workers (the pool the prefill policy places prompts on; the
+decode pool's balance is printed beside it). Also reported: the placement balance, the same ratio on
+predicted costs of where each prompt went (the router names the prefill worker of a two-hop answer),
+free of the timing noise of a shared machine. ``--policies`` can add
+``estimated-compute-at-arrival`` (ours with each request placed at arrival, no late binding). Prints
+one line per run, then the medians per policy and the load average seen; ``--out`` writes the JSON.
 
     PYTHONPATH=$PWD .venv/bin/python bench/router_balance.py --out bench/results/router_balance.json
+    PYTHONPATH=$PWD .venv/bin/python bench/router_balance.py --disaggregated --rate 64 --requests 96 \
+        --out bench/results/router_balance_pd.json
 """
 
 from __future__ import annotations
@@ -36,9 +41,12 @@ from deepinfer.engine.cost_model import StepCostModel
 from deepinfer.router.balance import balance, request_cost
 from deepinfer.router.cluster import LOOPBACK, free_port, workers_running
 from deepinfer.router.measure import BusyMeter
-from deepinfer.router.proxy import WORKER_HEADER
+from deepinfer.router.proxy import PREFILL_WORKER_HEADER, WORKER_HEADER
 
 POLICIES = ("estimated-compute", "round-robin", "least-requests")
+# the estimated-compute policy with each request placed at arrival (no late binding), for comparison
+AT_ARRIVAL = "estimated-compute-at-arrival"
+ROUTER_FLAGS = {AT_ARRIVAL: ["--prefill-policy", "estimated-compute", "--prefill-queue-limit", "0"]}
 
 
 def skewed_lengths(n: int, low: int, high: int, alpha: float, seed: int) -> list[int]:
@@ -55,7 +63,8 @@ def prompts(lengths: list[int], vocab: int, seed: int) -> list[list[int]]:
 async def send(
     url: str, model: str, batch: list[list[int]], output_len: int, rate: float, seed: int
 ) -> list[str | None]:
-    """Send the prompts as Poisson arrivals; the worker that served each (``None``: it failed)."""
+    """Send the prompts as Poisson arrivals; the worker that computed each prompt (the prefill
+    worker of a two-hop request, else the one that answered; ``None``: it failed)."""
     rng = random.Random(seed)
     async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=None)) as client:
 
@@ -68,7 +77,9 @@ async def send(
                 "ignore_eos": True,
             }
             r = await client.post(f"{url}/v1/completions", json=body)
-            return r.headers.get(WORKER_HEADER) if r.status_code == 200 else None
+            if r.status_code != 200:
+                return None
+            return r.headers.get(PREFILL_WORKER_HEADER) or r.headers.get(WORKER_HEADER)
 
         tasks = []
         for p in batch:
@@ -77,10 +88,16 @@ async def send(
         return list(await asyncio.gather(*tasks))
 
 
-def placement(served: list[str | None], lengths: list[int], urls: list[str], model, output_len: int) -> float:
+def placement(
+    served: list[str | None], lengths: list[int], urls: list[str], model, output_len: int, prompts_only: bool
+) -> float:
     """Balance of where the router put the work, by predicted cost (no timing noise): LPT makespan of
-    the predicted costs / the largest predicted cost placed on one worker."""
-    costs = [request_cost(model, n, output_len) for n in lengths]
+    the predicted costs / the largest predicted cost placed on one worker. ``prompts_only``: the
+    workers only compute prompts (prefill workers), so a job is its prompt."""
+    if prompts_only:
+        costs = [model.marginal(n, 0) for n in lengths]
+    else:
+        costs = [request_cost(model, n, output_len) for n in lengths]
     placed = dict.fromkeys(urls, 0.0)
     for worker, cost in zip(served, costs):
         if worker is not None:
@@ -94,8 +111,9 @@ def start_router(
     """A router over ``urls`` (both-role workers, or prefill workers when ``decode`` is given)."""
     port = free_port()
     pool = ["--prefill", *urls, "--decode", *decode] if decode else ["--both", *urls]
-    cmd = [sys.executable, "-m", "deepinfer.cli", "router", *pool, "--port", str(port), "--prefill-policy",
-           policy, "--min-disaggregated-tokens", "0", "--log-level", "warning", *(["--model", model] if model else [])]  # fmt: skip
+    flags = ROUTER_FLAGS.get(policy, ["--prefill-policy", policy])
+    cmd = [sys.executable, "-m", "deepinfer.cli", "router", *pool, "--port", str(port), *flags,
+           "--min-disaggregated-tokens", "0", "--log-level", "warning", *(["--model", model] if model else [])]  # fmt: skip
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
     url = f"http://{LOOPBACK}:{port}"
     deadline = time.monotonic() + 60
@@ -140,6 +158,13 @@ def main() -> int:
     parser.add_argument("--rate", type=float, default=16.0, help="arrivals per second")
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--policies",
+        nargs="+",
+        default=list(POLICIES),
+        choices=[*POLICIES, AT_ARRIVAL],
+        help=f"run in this order each repetition ({AT_ARRIVAL}: ours without late binding)",
+    )
     parser.add_argument("--out", help="write the JSON result here")
     args = parser.parse_args()
 
@@ -160,7 +185,7 @@ def main() -> int:
         urls = [w.url for w in workers if w.role != "decode"]
         decode = [w.url for w in workers if w.role == "decode"]
         for rep in range(args.reps):
-            for i, policy in enumerate(POLICIES):
+            for i, policy in enumerate(args.policies):
                 proc, url = start_router(urls, policy, args.model, decode)
                 try:
                     meter = BusyMeter.attach(url)
@@ -169,29 +194,30 @@ def main() -> int:
                     served = asyncio.run(send(url, name, batch, args.output_len, args.rate, args.seed + rep))
                     wall = time.perf_counter() - started
                     result = meter.finish([(n, args.output_len) for n in lengths])
-                    cost_model = StepCostModel(
-                        **httpx.get(f"{url}/router/workers").json()[urls[0]]["cost_model"]
-                    )
-                    # two hops: the answer names the decode worker, so where the prompt went is not known
-                    placed = None if decode else placement(served, lengths, urls, cost_model, args.output_len)
+                    status = httpx.get(f"{url}/router/workers").json()
+                    cost_model = StepCostModel(**status[urls[0]]["cost_model"])
+                    slowdown = {u: status[u]["prefill_slowdown"] for u in urls}
+                    placed = placement(served, lengths, urls, cost_model, args.output_len, bool(decode))
                 finally:
                     stop(proc)
                 ok = sum(w is not None for w in served)
                 run = {"rep": rep, "policy": policy, "completed": ok, "wall_s": wall, "load_avg_1m": os.getloadavg()[0],
-                       **result, "placement_balance": placed}  # fmt: skip
+                       **result, "placement_balance": placed, "prefill_slowdown": slowdown,
+                       "prompt_workers": [urls.index(w) if w in urls else None for w in served]}  # fmt: skip
                 runs.append(run)
-                print(f"rep {rep} {policy:>17}: balance {result['balance']:.3f} (placement {placed}), busy "
-                      f"{sorted(round(v, 2) for v in result['busy_s'].values())} s, {ok}/{len(lengths)} ok, "
+                decode_part = f", decode pool {result['decode_balance']:.3f}" if decode else ""
+                print(f"rep {rep} {policy:>28}: balance {result['balance']:.3f} (placement {placed:.3f}{decode_part}), "
+                      f"busy {sorted(round(v, 2) for v in result['busy_s'].values())} s, {ok}/{len(lengths)} ok, "
+                      f"wall {wall:.1f} s, slowdown {[round(v, 2) for v in slowdown.values()]}, "
                       f"load {run['load_avg_1m']:.1f}", flush=True)  # fmt: skip
-    summary = {p: statistics.median(r["balance"] for r in runs if r["policy"] == p) for p in POLICIES}
+    summary = {p: statistics.median(r["balance"] for r in runs if r["policy"] == p) for p in args.policies}
     placed = {
-        p: None
-        if args.disaggregated
-        else statistics.median(r["placement_balance"] for r in runs if r["policy"] == p)
-        for p in POLICIES
+        p: statistics.median(r["placement_balance"] for r in runs if r["policy"] == p) for p in args.policies
     }
+    loads = [r["load_avg_1m"] for r in runs]
     for policy, value in summary.items():
-        print(f"median balance {policy:>17}: {value:.3f} (placement {placed[policy]})")
+        print(f"median balance {policy:>28}: {value:.3f} (placement {placed[policy]:.3f})")
+    print(f"load average (1 min) during the runs: {min(loads):.1f}-{max(loads):.1f}")
     if args.out:
         out = {"config": vars(args), "prompt_lengths": lengths, "median_balance": summary,
                "median_placement_balance": placed, "runs": runs}  # fmt: skip

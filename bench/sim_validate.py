@@ -1,28 +1,32 @@
-"""Simulator vs our engine on this machine: one trace through ``deepinfer serve`` and through the
-simulator calibrated here (deepinfer.sim.validation). Writes bench/results/sim_validation.json.
+"""Simulator vs our serving stack on this machine (deepinfer.sim.validation): a calibration trace and
+a held-out trace through one aggregated ``deepinfer serve`` and through a 1 prefill + 1 decode
+``deepinfer cluster``, and through the simulator calibrated on the calibration trace's served steps.
+Writes bench/results/sim_validation.json and prints the tables.
 
-    PYTHONPATH=$PWD .venv/bin/python bench/sim_validate.py      # about 5 minutes on a quiet host
+    PYTHONPATH=$PWD .venv/bin/python bench/sim_validate.py   # est. 6-7 min on a quiet host (443 s for
+                                                              # --num-requests 32 at load 8-11)
 
-Two servers are started one after the other (one per trace, each calibrating at start-up right
-before its trace); the report gives the host's load average around each trace.
+The report gives the host's load average around each trace.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 from pathlib import Path
 
 from deepinfer.model_zoo import default_model_path
-from deepinfer.sim.validation import ServerSettings, TraceSpec, run_validation
+from deepinfer.sim.validation import SETUPS, ServerSettings, TraceSpec, run_validation
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--num-requests", type=int, default=80)
+    parser.add_argument("--num-requests", type=int, default=64)
     parser.add_argument("--request-rate", type=float, default=1.0)
     parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument("--setups", nargs="+", choices=SETUPS, default=list(SETUPS))
     parser.add_argument("--out", default="bench/results/sim_validation.json")
     args = parser.parse_args()
     common = {
@@ -31,27 +35,34 @@ def main() -> None:
         "output_len": args.output_len,
     }
     start = time.perf_counter()
+    load = os.getloadavg()
     result = run_validation(
-        str(default_model_path()), TraceSpec(seed=1, **common), TraceSpec(seed=2, **common), ServerSettings()
+        str(default_model_path()),
+        TraceSpec(seed=1, **common),
+        TraceSpec(seed=2, **common),
+        ServerSettings(),
+        tuple(args.setups),
     )
     result["wall_s"] = time.perf_counter() - start
+    result["load_average_start_end"] = (load, os.getloadavg())
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2))
-    print(
-        f"fitted on the calibration trace: step-time factor {result['scale']:.3f}, "
-        f"admission delay {result['admission_delay_s'] * 1e3:.1f} ms"
-    )
-    print(f"wall {result['wall_s']:.0f} s")
-    for name in ("calibration", "validation"):
-        r = result[name]
-        busy = r["engine_busy_s"]
-        print(f"{name}: load average before/after {r['load_average_before_after']}; engine busy "
-              f"{busy['measured']:.1f} s measured, {busy['simulated']:.1f} s simulated")  # fmt: skip
-        print(f"  {'metric':34s} {'measured':>10s} {'simulated':>10s} {'error':>7s}")
-        for key, measured in r["measured"].items():
-            err = r["errors"].get(key.replace("output_tokens_per_s", "throughput"))
-            tail = f"{err:+7.1%}" if err is not None else ""
-            print(f"  {key:34s} {measured:10.4f} {r['simulated'][key]:10.4f} {tail}")
+    print(f"wall {result['wall_s']:.0f} s; load average at start {load}, at end {os.getloadavg()}")
+    for setup in args.setups:
+        r = result[setup]
+        fits = r["fitted_on_calibration"]
+        print(f"\n{setup}: fitted on the calibration trace: front {fits['front']}; handoff {fits['handoff']}")
+        for name in ("calibration", "validation"):
+            t = r[name]
+            busy = t["engine_busy_s"]
+            print(f"  {name}: load average before/after {t['load_average_before_after']}")
+            print(
+                f"    engine step time measured {busy['measured_step_time']}, simulated period {busy['simulated_period']}"
+            )
+            print(f"    {'metric':22s} {'measured':>10s} {'simulated':>10s} {'error':>7s}")
+            for key, measured in t["measured"].items():
+                err = t["errors"][key.replace("output_tokens_per_s", "throughput")]
+                print(f"    {key:22s} {measured:10.4f} {t['simulated'][key]:10.4f} {err:+7.1%}")
 
 
 if __name__ == "__main__":

@@ -152,6 +152,13 @@ ENV_VARS: dict[str, EnvVar] = {
             "Intra-op CPU threads for torch; unset leaves torch's default (the number of cores).",
         ),
         EnvVar(
+            "DEEPINFER_STEP_LOG_DIR",
+            None,
+            str.strip,
+            "When set, every engine core appends its step log (each step's composition and times, each "
+            "request's arrival at the core; deepinfer.core.step_log) to a JSON-lines file in this folder.",
+        ),
+        EnvVar(
             "DEEPINFER_DP_CHECK_COLLECTIVES",
             "0",
             _bool,

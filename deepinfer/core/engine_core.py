@@ -17,11 +17,14 @@ from __future__ import annotations
 import contextlib
 import os
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import zmq
 
+from deepinfer import envs
 from deepinfer.core import messages as m
+from deepinfer.core.step_log import StepLog
 from deepinfer.logger import get_logger
 from deepinfer.router.load import CostModel, engine_load, kv_layout_fingerprint, step_cost_model
 from deepinfer.sampling_params import SamplingParams
@@ -50,6 +53,8 @@ class EngineCore:
         self._unscheduled: dict[str, None] = {}  # admitted, not yet scheduled (ordered set)
         self._scheduled_at: dict[str, float] = {}
         self._busy_s = 0.0  # time in engine steps since start (reported to routers)
+        log_dir = envs.get("DEEPINFER_STEP_LOG_DIR")
+        self._step_log = StepLog(Path(log_dir), engine_id) if log_dir else None
 
     def serve(self) -> None:
         """Run until told to shut down or orphaned; raises after a fatal engine error."""
@@ -69,6 +74,8 @@ class EngineCore:
         finally:
             sock.close()
             context.term()
+            if self._step_log is not None:
+                self._step_log.close()
 
     def _ready(self) -> m.Ready:
         e = self.engine
@@ -156,6 +163,8 @@ class EngineCore:
         self._sent[rid] = [0] * n
         self._ended[rid] = [False] * n
         self._unscheduled[rid] = None
+        if self._step_log is not None:
+            self._step_log.added(rid, time.monotonic(), len(command.prompt_token_ids))
         return None
 
     def _forget(self, rid: str) -> None:
@@ -167,8 +176,29 @@ class EngineCore:
     def _step(self) -> list[m.RequestDelta]:
         started = time.monotonic()
         outputs = self.engine.step()
-        self._busy_s += time.monotonic() - started
-        return self._deltas(outputs, started)
+        ended = time.monotonic()
+        self._busy_s += ended - started
+        if self._step_log is None:
+            return self._deltas(outputs, started)
+        unstarted = {rid for rid, sent in self._sent.items() if not any(sent)}
+        deltas = self._deltas(outputs, started)
+        self._log_step(started, ended, unstarted, deltas)
+        return deltas
+
+    def _log_step(self, t0: float, t1: float, unstarted: set[str], deltas: list[m.RequestDelta]) -> None:
+        """One step's line in the step log: its composition, times, and first tokens."""
+        scheduled, forward_s = self.engine.last_step or (None, 0.0)
+        requests = scheduled.requests if scheduled is not None else []
+        first = [
+            d.request_id
+            for d in deltas
+            if d.request_id in unstarted and any(c.new_token_ids for c in d.completions)
+        ]
+        parent_of = self.engine.outputs.parent_of
+        self._step_log.step(
+            t0, t1, forward_s, [(r.num_new_tokens, r.num_computed_tokens) for r in requests],
+            [parent_of.get(r.request_id, r.request_id) for r in requests], first,
+        )  # fmt: skip
 
     def _deltas(self, outputs: list[RequestOutput], started: float) -> list[m.RequestDelta]:
         """The token deltas of a step's outputs (``started``: when the step began)."""

@@ -73,7 +73,10 @@ class StepCostModel:
         # per_attention/2 * n^2 + (per_token + per_attention * (c + 1/2)) * n - budget <= 0
         a = self.per_attention_s / 2
         b = self.per_token_s + self.per_attention_s * (num_cached + 0.5)
-        n = int(budget / b if a == 0 else (-b + math.sqrt(b * b + 4 * a * budget)) / (2 * a))
+        if budget <= 0:  # the request's own overhead and context read already overrun the time left
+            n = 0
+        else:
+            n = int(budget / b if a == 0 else (-b + math.sqrt(b * b + 4 * a * budget)) / (2 * a))
         if n < 2:  # a lone token skips the context expansion (absorbed form)
             n = int(self.marginal(1, num_cached) <= seconds)
         return max(0, min(limit, n))
@@ -82,19 +85,33 @@ class StepCostModel:
     def fit(cls, samples: Sequence[tuple[Sequence[Work], float]]) -> StepCostModel:
         """Least-squares fit of the relative error (coefficients clamped at zero) to measured
         (work, seconds) samples, so that short steps are predicted as well as long ones."""
-        rows = [
-            [
-                1.0,
-                len(w),
-                sum(n for n, _ in w),
-                sum(attention_pairs(n, c) for n, c in w),
-                sum(c for n, c in w if n > 1),
-            ]
-            for w, _ in samples
-        ]
-        x, y = np.array(rows), np.array([t for _, t in samples])
+        x, y = _design(samples)
         coef = _nonnegative_least_squares(x / y[:, None], np.ones_like(y))
         return cls(*(float(v) for v in coef), source="calibrated")
+
+    @classmethod
+    def fit_mean(cls, samples: Sequence[tuple[Sequence[Work], float]], source: str) -> StepCostModel:
+        """Least-squares fit of the *expected* time of noisy measured steps (a served engine's on a
+        shared host), each weighted by the inverse square of its predicted time: iteratively
+        reweighted from :meth:`fit`. Dividing by the measured time itself, as :meth:`fit` does, biases
+        the model low when the same step's time varies (the long measurements weigh least), which a
+        simulated clock must not be."""
+        x, y = _design(samples)
+        model = cls.fit(samples)
+        for _ in range(5):
+            predicted = np.maximum(x @ np.array(model._coefficients()), 1e-9)
+            coef = _nonnegative_least_squares(x / predicted[:, None], y / predicted)
+            model = cls(*(float(v) for v in coef), source=source)
+        return cls(*model._coefficients(), source=source)
+
+    def _coefficients(self) -> tuple[float, float, float, float, float]:
+        return (
+            self.overhead_s,
+            self.per_request_s,
+            self.per_token_s,
+            self.per_attention_s,
+            self.per_context_s,
+        )
 
     @classmethod
     def from_chip(cls, chip: ChipFacts, config: ModelConfig, efficiency: float = 0.4) -> StepCostModel:
@@ -134,6 +151,16 @@ class StepCostModel:
     @classmethod
     def load(cls, path: Path) -> StepCostModel:
         return cls(**json.loads(path.read_text()))
+
+
+def _design(samples: Sequence[tuple[Sequence[Work], float]]) -> tuple[np.ndarray, np.ndarray]:
+    """The terms of each sample's step (one row each, in the model's coefficient order) and its time."""
+    rows = [
+        [1.0, len(w), sum(n for n, _ in w), sum(attention_pairs(n, c) for n, c in w),
+         sum(c for n, c in w if n > 1)]
+        for w, _ in samples
+    ]  # fmt: skip
+    return np.array(rows), np.array([t for _, t in samples])
 
 
 def _nonnegative_least_squares(x: np.ndarray, y: np.ndarray) -> np.ndarray:

@@ -146,6 +146,8 @@ class LLMEngine:
             kv_connector=self.kv_connector,
         )
         self.spec_stats = SpecDecodeStats()
+        # The last applied step and its runner seconds (read by the engine core's step log).
+        self.last_step: tuple[SchedulerOutput, float] | None = None
         self.cost_model = self._cost_model() if config.step_time_budget_ms else None
         budget = config.max_num_batched_tokens
         self.scheduler = Scheduler(
@@ -452,6 +454,7 @@ class LLMEngine:
         for rid, entries in result.prompt_logprobs.items():
             if rid in self.scheduler.requests:  # not aborted while the step ran (async scheduling)
                 self.outputs.record_prompt_logprobs(rid, entries)
+        self.last_step = (scheduled, result.seconds)
         self.scheduler.observe_step_time(scheduled, result.seconds)
         updated = self.scheduler.update_from_output(scheduled, result.sampled, result.drafts)
         self.spec_stats.record(result)

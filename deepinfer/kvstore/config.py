@@ -36,6 +36,12 @@ class KVStoreConfig(BaseModel):
         None, description="sliding-window replay mode; None reads DEEPINFER_SWA_REPLAY"
     )
     swa_replay_tokens: int = Field(128, ge=1, description="bounded replay: tokens recomputed")
+    write_queue_blocks: int = Field(
+        4096,
+        ge=1,
+        description="write-behind backlog in blocks (each leases a host slot until written); saves "
+        "past it stay in host memory only, counted as writes_dropped",
+    )
 
     @field_validator("ttls", mode="before")
     @classmethod

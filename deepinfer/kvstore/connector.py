@@ -111,7 +111,16 @@ class StoreConnector:
             if config.shared_path
             else None
         )
-        self.store = KVStore(namespace, slot_bytes, host_slots, self.policy, disk, shared, pin_memory)
+        self.store = KVStore(
+            namespace,
+            slot_bytes,
+            host_slots,
+            self.policy,
+            disk,
+            shared,
+            pin_memory,
+            max_pending_writes=config.write_queue_blocks,
+        )
         self._checked: set[str] = set()  # requests already looked up in the store (once per admission)
         self._loading: dict[str, _Load] = {}
         self._saved: dict[str, int] = {}  # request id -> blocks saved so far
@@ -247,8 +256,7 @@ class StoreConnector:
         if not reserved:
             return
         self._copy_out([r[3] for r in reserved], [r[1] for r in reserved])
-        for key, slot, cls, _ in reserved:
-            self.store.commit(key, slot, cls)
+        self.store.commit_many([(key, slot, cls) for key, slot, cls, _ in reserved])
 
     def _copy_in(self, slots: list[int], block_ids: list[int]) -> None:
         """Host slots -> device blocks, one gather and one indexed copy per cache tensor."""

@@ -3,7 +3,7 @@
 Updated by the tiers and the store under the store's lock; ``snapshot`` returns a JSON-ready dict:
 ``{"tiers": {tier: {hits, bytes_read, bytes_written, writes, evictions, expirations, corrupt_reads,
 entries, bytes}}, "lookups", "lookup_blocks", "hit_blocks", "misses", "load_latency": {"buckets":
-[upper bounds in s], "counts": [per bucket, cumulative], "sum", "count"}, "saves_refused",
+[upper bounds in s], "counts": [per bucket, cumulative], "sum", "count"}, "saves_refused", "writes_dropped",
 "hits_by_class": {class: blocks}}``. Tiers: ``host``, ``disk``, ``shared``.
 """
 
@@ -36,6 +36,7 @@ class StoreMetrics:
     hit_blocks: int = 0  # leading blocks found
     misses: int = 0  # lookups that found fewer blocks than asked
     saves_refused: int = 0  # saves dropped because every slot of the host tier was leased
+    writes_dropped: int = 0  # saves kept in host memory only: the write-behind backlog was full
     hits_by_class: dict[str, int] = field(default_factory=dict)
     latency_counts: list[int] = field(default_factory=lambda: [0] * (len(LATENCY_BUCKETS) + 1))
     latency_sum: float = 0.0
@@ -59,6 +60,7 @@ class StoreMetrics:
             "hit_blocks": self.hit_blocks,
             "misses": self.misses,
             "saves_refused": self.saves_refused,
+            "writes_dropped": self.writes_dropped,
             "hits_by_class": dict(self.hits_by_class),
             "load_latency": {
                 "buckets": list(LATENCY_BUCKETS),

@@ -5,7 +5,8 @@ connector (or by a tool such as a prefill/decode handoff). Tiers, fastest first:
 pool in host memory, always present: it is where loads land and saves start), ``disk`` and
 ``shared`` (``FileTier`` directories), each optional and sized by the user. A key is served by the
 fastest tier holding it; a load from a file tier promotes the block into host memory; a save commits
-into host memory and is written behind (a background thread) to disk and shared. Blocks are bytes:
+into host memory and is written behind (a background thread, batched, with a bounded backlog whose
+overflow stays in host memory, counted in ``writes_dropped``) to disk and shared. Blocks are bytes:
 ``slot_bytes`` per block, laid out by the caller (the connector copies each cache layer's block
 tensors into its slot in a fixed order that ``keys.LAYOUT_VERSION`` names).
 
@@ -37,6 +38,9 @@ from deepinfer.kvstore.host_tier import HostTier
 from deepinfer.kvstore.keys import StoreNamespace
 from deepinfer.kvstore.metrics import StoreMetrics
 from deepinfer.kvstore.retention import RetentionPolicy
+from deepinfer.logger import get_logger
+
+logger = get_logger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,7 +99,11 @@ class KVStore:
         shared: DirSpec | None = None,
         pin_memory: bool = False,
         clock: Callable[[], float] = time.time,
+        max_pending_writes: int = 4096,
     ) -> None:
+        """``max_pending_writes``: the write-behind backlog, in blocks (each leases its host slot
+        until written); a save past it stays in host memory only and is counted in
+        ``writes_dropped``: the engine never waits for the disk."""
         self.namespace = namespace
         self.ns_digest = namespace.digest()
         self.slot_bytes = slot_bytes
@@ -124,9 +132,14 @@ class KVStore:
         self._hold_ids = itertools.count(1)
         self._loader = ThreadPoolExecutor(1, thread_name_prefix="deepinfer-kv-load")
         self._readers = ThreadPoolExecutor(self.READ_THREADS, thread_name_prefix="deepinfer-kv-read")
-        # (key, slot or None for a touch, class) for the writer thread; None stops it
-        self._writes: queue.Queue[tuple[bytes, int | None, str] | None] = queue.Queue()
-        self._pending = 0
+        # batches of (key, slot or None for a touch, class) for the writer thread; None stops it
+        self._writes: queue.Queue[list[tuple[bytes, int | None, str]] | None] = queue.Queue()
+        self._host_rows = self.host.data.numpy()  # [slots, slot_bytes] view the writer reads from
+        if max_pending_writes < 1:
+            raise ValueError(f"max_pending_writes must be at least 1, got {max_pending_writes}")
+        self.max_pending_writes = max_pending_writes
+        self._pending = 0  # queued items (writes and touches), for flush
+        self._pending_writes = 0  # queued block writes, bounded by max_pending_writes
         self._idle = threading.Condition(self._lock)
         self._writer = threading.Thread(target=self._write_loop, name="deepinfer-kv-write", daemon=True)
         self._writer.start()
@@ -209,8 +222,11 @@ class KVStore:
                 future.cancel()
         with self._lock:
             self.metrics.observe_load(time.perf_counter() - start)
-        for key, slot in promoted:  # write behind to the tiers that lack it (touches the others)
-            self._queue_write(key, slot, cls)
+        if promoted and self.files:  # write behind to the tiers that lack it (touches the others)
+            with self._lock:
+                for _, slot in promoted:
+                    self.host.lease(slot)  # the writer's lease, until written
+                self._queue_writes([(key, slot, cls) for key, slot in promoted])
         return slots
 
     def _read_files(self, key: bytes, now: float, cls: str) -> memoryview | None:
@@ -259,36 +275,51 @@ class KVStore:
             self.host.touch(key, now, cls)
             if self.files:
                 self._pending += 1
-                self._writes.put((key, None, cls))  # the writer extends the files' expiry
+                self._writes.put([(key, None, cls)])  # the writer extends the files' expiry
             return True
 
     def commit(self, key: bytes, slot: int, cls: str) -> None:
-        """Publish a filled slot as ``key`` (ends the reservation's lease) and write it behind to the
-        file tiers."""
+        """``commit_many`` of one block."""
+        self.commit_many([(key, slot, cls)])
+
+    def commit_many(self, items: Sequence[tuple[bytes, int, str]]) -> None:
+        """Publish filled slots, ``(key, slot, class)`` each, as their keys (ends each reservation's
+        lease) and queue them, as one batch, to be written behind to the file tiers. A key another
+        save committed first is only touched; with ``max_pending_writes`` blocks already queued, a
+        block stays in host memory only (counted in ``writes_dropped``)."""
         now = self.clock()
         with self._lock:
-            if not self.host.commit(key, slot, now, cls):
-                self.host.release(slot)
-                self.host.touch(key, now, cls)
-                return
-        self._queue_write(key, slot, cls)
-        self._release([slot])
+            queued = []
+            for key, slot, cls in items:
+                if not self.host.commit(key, slot, now, cls):
+                    self.host.release(slot)
+                    self.host.touch(key, now, cls)
+                elif self.files:
+                    queued.append((key, slot, cls))  # the reservation's lease passes to the writer
+                else:
+                    self.host.release(slot)
+            self._queue_writes(queued)
 
-    def _queue_write(self, key: bytes, slot: int, cls: str) -> None:
-        """Write-behind of a committed slot, which the writer leases until it is written."""
-        if not self.files:
+    def _queue_writes(self, items: list[tuple[bytes, int, str]]) -> None:
+        """Hand committed, writer-leased slots to the writer thread as one batch, up to the backlog
+        bound; the rest are released unwritten and counted. Call with the lock held."""
+        room = max(self.max_pending_writes - self._pending_writes, 0)
+        for _, slot, _ in items[room:]:
+            self.host.release(slot)
+        self.metrics.writes_dropped += max(len(items) - room, 0)
+        items = items[:room]
+        if not items:
             return
-        with self._lock:
-            self.host.lease(slot)
-            self._pending += 1
-        self._writes.put((key, slot, cls))
+        self._pending += len(items)
+        self._pending_writes += len(items)
+        self._writes.put(items)
 
     def _write_loop(self) -> None:
         while True:
-            item = self._writes.get()
-            if item is None:
+            first = self._writes.get()
+            if first is None:
                 return
-            batch = [item]
+            batch = list(first)
             while True:
                 try:
                     more = self._writes.get_nowait()
@@ -297,22 +328,28 @@ class KVStore:
                 if more is None:
                     self._writes.put(None)
                     break
-                batch.append(more)
+                batch += more
             try:
                 now = self.clock()
                 for key, slot, cls in batch:
                     if slot is None:
                         for tier in self.files:
                             tier.touch(key, now, cls)
-                items = [(k, self.host.data[s].numpy().tobytes(), c) for k, s, c in batch if s is not None]
+                # the slots are leased to this thread: their rows are written from in place
+                items = [(k, self._host_rows[s].data, c) for k, s, c in batch if s is not None]
                 for tier in self.files:
                     tier.write_batch(items, now)
+            except OSError:  # a full or failing disk: this batch stays in host memory, the writer goes on
+                logger.exception("kv store: writing %d blocks behind failed", len(batch))
             finally:
                 with self._lock:
+                    writes = 0
                     for _, slot, _ in batch:
                         if slot is not None:
                             self.host.release(slot)
+                            writes += 1
                     self._pending -= len(batch)
+                    self._pending_writes -= writes
                     self._idle.notify_all()
 
     def flush(self, timeout: float | None = None) -> bool:

@@ -28,6 +28,8 @@ class StopStringBuffer:
         """End of the text that can be shown: before the first complete stop string, else before the
         longest tail that could still grow into one."""
         text, start = self.text, self.released
+        if not self.stop:
+            return len(text)
         found = [at for s in self.stop if (at := text.find(s, start)) >= 0]
         if found:
             return min(found)

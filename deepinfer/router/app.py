@@ -2,8 +2,8 @@
 ``/metrics``, and the operational ``/router/workers`` (status and load of every worker) and
 ``/router/register`` (self-registration, ``deepinfer serve --register-with``).
 
-Startup (ASGI lifespan) admits the configured workers, checking each (:class:`Registry`), and starts
-the health/load poller; shutdown stops it and closes the HTTP client.
+Startup (ASGI lifespan) admits the configured workers, checking each (:class:`Registry`), sets up the
+prefill queue (late binding, estimated-compute only) and starts the health/load poller; shutdown stops it and closes the HTTP client.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from deepinfer.router.config import RouterConfig
 from deepinfer.router.load import model_fingerprint
 from deepinfer.router.metrics import RouterMetrics
 from deepinfer.router.policies import DecodeLoad, prefill_policy
+from deepinfer.router.prefill_queue import PrefillQueue
 from deepinfer.router.proxy import Proxy
 from deepinfer.router.registry import Registry, WorkerRejected
 from deepinfer.router.stream import API_PATHS
@@ -78,7 +79,17 @@ def build_router_app(config: RouterConfig) -> FastAPI:
                 prefill_policy(config.prefill_policy),
                 DecodeLoad(config.decode_request_weight_tokens),
             )
-            state["proxy"] = Proxy(config, registry, client, tokenizer, prefill, decode, metrics)
+            queue = None
+            if config.prefill_policy == "estimated-compute" and config.prefill_queue_limit:
+                queue = PrefillQueue(
+                    config.prefill_horizon_s,
+                    config.prefill_queue_limit,
+                    config.poll_interval_s,
+                    on_wait=metrics.prefill_queued.inc,
+                )
+                registry.listeners.append(queue.kick)
+                metrics.prefill_queue_depth.set_function(lambda: queue.depth)
+            state["proxy"] = Proxy(config, registry, client, tokenizer, prefill, decode, metrics, queue)
             state["registry"] = registry
             metrics.watch_workers(
                 lambda: [
@@ -150,6 +161,7 @@ def build_router_app(config: RouterConfig) -> FastAPI:
                 **status,
                 "active_requests": view.active_requests,
                 "prefill_backlog_s": view.prefill_backlog_s,
+                "prefill_slowdown": view.slowdown,
                 "kv_tokens_held": view.kv_tokens_held,
                 "busy_s": report.engine.busy_s,
                 "cost_model": msgspec.structs.asdict(report.cost_model),

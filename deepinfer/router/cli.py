@@ -29,6 +29,19 @@ def add_router_options(parser: argparse.ArgumentParser) -> None:
         help="how the worker for a long prompt is chosen (the others are baselines)",
     )
     parser.add_argument(
+        "--prefill-horizon-s",
+        type=float,
+        default=_default("prefill_horizon_s"),
+        help="estimated-compute: place a long prompt only once a worker's expected prompt backlog is under this",
+    )
+    parser.add_argument(
+        "--prefill-queue-limit",
+        type=int,
+        default=_default("prefill_queue_limit"),
+        help="estimated-compute: long prompts that may wait in the router for a worker (beyond: 429); 0: "
+        "place each at arrival",
+    )
+    parser.add_argument(
         "--min-disaggregated-tokens",
         type=int,
         default=_default("min_disaggregated_tokens"),
@@ -82,6 +95,8 @@ def router_config(args: argparse.Namespace, **overrides) -> RouterConfig:
         "host": args.host,
         "port": args.port,
         "prefill_policy": args.prefill_policy,
+        "prefill_horizon_s": args.prefill_horizon_s,
+        "prefill_queue_limit": args.prefill_queue_limit,
         "min_disaggregated_tokens": args.min_disaggregated_tokens,
         "request_timeout_s": args.request_timeout_s,
         "first_byte_timeout_s": args.first_byte_timeout_s,

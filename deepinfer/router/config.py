@@ -25,6 +25,18 @@ class RouterConfig(BaseModel):
     prefill_policy: PolicyName = Field(
         "estimated-compute", description="how prefill-capable workers are chosen"
     )
+    prefill_horizon_s: float = Field(
+        0.1,
+        gt=0,
+        description="estimated-compute: a long prompt is placed on a worker only once that worker's expected "
+        "prompt backlog is under this many seconds; until then it waits in the router (late binding)",
+    )
+    prefill_queue_limit: int = Field(
+        1024,
+        ge=0,
+        description="estimated-compute: long prompts that may wait in the router for a worker (beyond: 429); "
+        "0 places each request at arrival",
+    )
     min_disaggregated_tokens: int = Field(
         512, ge=0, description="prompts shorter than this go straight to a decode-capable worker"
     )

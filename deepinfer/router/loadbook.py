@@ -9,7 +9,15 @@ that step reaches the engine only after it. The report says how many such reques
 by the server, ``num_in_flight``, minus those in the engine), and the router counts its own most recent
 dispatches before the report as those. So a burst of requests spreads across workers instead of piling
 onto the one that looked idle at the last poll, nothing is counted twice, and several router replicas
-still see each other's load at the next report. Pure bookkeeping: callers pass the time (``now``), nothing here
+still see each other's load at the next report.
+
+The book also learns how fast each worker really computes prompts: between two of its reports, the
+engine seconds it spent (``busy_s``) against the predicted seconds of the prompts whose end the router
+saw in that time (:meth:`LoadBook.prefilled`, or the request's end). Decayed sums of both give the
+worker's ``slowdown``, real seconds per predicted second (until a worker has done predicted work,
+the median of its peers', or 1.0): a worker slowed by a neighbour on its cores, by its own decodes, or a cost model that is off
+by a constant shows up in its view, while the per-hop overhead (HTTP, handing the KV to the store)
+stays out of it (an ejection resets it). Pure bookkeeping: callers pass the time (``now``), nothing here
 reads a clock or does I/O, so the simulator drives it with its own clock.
 """
 
@@ -35,6 +43,34 @@ class _Worker:
     report: WorkerLoad
     reported_at: float  # when the report was requested
     admitted: bool = True
+    done_s: float = 0.0  # predicted seconds of the prompts seen to end, in all
+    done_at_report_s: float = 0.0  # done_s when the report was taken in
+    busy_s: float = 0.0  # decayed sum of engine seconds between reports
+    busy_done_s: float = 0.0  # decayed sum of done_s between reports
+
+    @property
+    def slowdown(self) -> float | None:
+        """Real seconds per predicted second; ``None`` until the worker has done predicted work."""
+        if self.busy_done_s <= 0:
+            return None
+        return min(SLOWDOWN_RANGE[1], max(SLOWDOWN_RANGE[0], self.busy_s / self.busy_done_s))
+
+    def prompt_done(self, d: _Dispatch, now: float) -> None:
+        d.prefilled_at = now
+        self.done_s += d.prefill_s
+
+    def took_in(self, report: WorkerLoad, requested_at: float) -> None:
+        busy = report.engine.busy_s - self.report.engine.busy_s
+        if busy >= 0:  # (a restarted worker starts its count again)
+            done = self.done_s - self.done_at_report_s
+            self.busy_s = SLOWDOWN_DECAY * self.busy_s + busy
+            self.busy_done_s = SLOWDOWN_DECAY * self.busy_done_s + done
+        self.done_at_report_s = self.done_s
+        self.report, self.reported_at = report, requested_at
+
+
+SLOWDOWN_DECAY = 0.9  # weight of the past per report (reports come every poll interval)
+SLOWDOWN_RANGE = (1e-3, 1e3)  # a worker's slowdown is clipped to this (a cost model off by 1000x is broken)
 
 
 class LoadBook:
@@ -61,7 +97,7 @@ class LoadBook:
             self._workers[url] = _Worker(report, requested_at)
             self._dispatches[url] = {}
         else:
-            worker.report, worker.reported_at = report, requested_at
+            worker.took_in(report, requested_at)
         book = self._dispatches[url]
         for rid in [
             r for r, d in book.items() if d.finished_at is not None and d.finished_at <= requested_at
@@ -69,7 +105,12 @@ class LoadBook:
             del book[rid]
 
     def set_admitted(self, url: str, admitted: bool) -> None:
-        self._workers[url].admitted = admitted
+        """Admit or eject ``url``. A re-admitted worker learns its slowdown again (what it learnt spans
+        the outage: a stopped worker's step counts its whole stop), taking its peers' meanwhile."""
+        worker = self._workers[url]
+        if admitted and not worker.admitted:
+            worker.busy_s = worker.busy_done_s = 0.0
+        worker.admitted = admitted
 
     def admitted(self, url: str) -> bool:
         return self._workers[url].admitted
@@ -86,7 +127,7 @@ class LoadBook:
         """The worker produced the request's first output: its prompt is computed."""
         d = self._dispatches.get(url, {}).get(request_id)
         if d is not None and d.prefilled_at is None:
-            d.prefilled_at = now
+            self._workers[url].prompt_done(d, now)
 
     def finished(self, url: str, request_id: str, now: float) -> None:
         """The request ended on ``url`` (done, failed or abandoned); idempotent."""
@@ -95,7 +136,7 @@ class LoadBook:
             return
         d.finished_at = now
         if d.prefilled_at is None:
-            d.prefilled_at = now
+            self._workers[url].prompt_done(d, now)
         if d.sent_at >= self._workers[url].reported_at:  # never in a report: nothing to correct
             del self._dispatches[url][request_id]
 
@@ -134,7 +175,16 @@ class LoadBook:
             kv_capacity_tokens=r.engine.kv_capacity_tokens,
             admitted=worker.admitted and r.healthy,
             kv_store_id=r.kv_store_id,
+            slowdown=worker.slowdown if worker.slowdown is not None else self._peer_slowdown(),
         )
 
     def views(self) -> list[WorkerView]:
         return [self.view(url) for url in self._workers]
+
+    def _peer_slowdown(self) -> float:
+        """The median slowdown of the workers that know theirs (1.0 when none does)."""
+        known = sorted(s for w in self._workers.values() if (s := w.slowdown) is not None)
+        if not known:
+            return 1.0
+        mid = len(known) // 2
+        return known[mid] if len(known) % 2 else (known[mid - 1] + known[mid]) / 2

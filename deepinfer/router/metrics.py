@@ -1,7 +1,8 @@
 """Prometheus metrics of the router (``GET /metrics`` on ``deepinfer router``).
 
-Counters are recorded as requests are routed and fail; per-worker gauges (admitted, active requests,
-predicted prefill backlog, KV tokens held, busy seconds) are read from the registry's load book at
+Counters are recorded as requests are routed and fail; the prefill queue's depth is read from it;
+per-worker gauges (admitted, active requests, predicted prefill backlog, measured slowdown, KV tokens
+held, busy seconds) are read from the registry's load book at
 scrape time. Each router owns its registry.
 """
 
@@ -9,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 
-from prometheus_client import CollectorRegistry, Counter, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -25,6 +26,7 @@ FAILURE_KINDS = (
     "deadline",
     "health",
     "handoff",
+    "queue_full",
 )
 HANDOFF_OUTCOMES = ("done", "failed", "expired")  # deepinfer.router.handoff's terminal states
 
@@ -51,6 +53,11 @@ class _WorkerCollector(Collector):
                 "Predicted prompt compute queued on the worker (router's view)",
                 labels=["worker", "role"],
             ),
+            "slowdown": GaugeMetricFamily(
+                "deepinfer_router_worker_prefill_slowdown",
+                "Measured / predicted prompt seconds, learnt from the prefills the router saw end",
+                labels=["worker", "role"],
+            ),
             "kv": GaugeMetricFamily(
                 "deepinfer_router_worker_kv_tokens",
                 "KV tokens held (router's view)",
@@ -67,6 +74,7 @@ class _WorkerCollector(Collector):
             families["admitted"].add_metric(labels, float(view.admitted))
             families["active"].add_metric(labels, view.active_requests)
             families["backlog"].add_metric(labels, view.prefill_backlog_s)
+            families["slowdown"].add_metric(labels, view.slowdown)
             families["kv"].add_metric(labels, view.kv_tokens_held)
             busy.add_metric(labels, busy_s)
         yield from families.values()
@@ -92,7 +100,7 @@ class RouterMetrics:
             "deepinfer_router_failures",
             "Failures seen by the router: connect, timeout, ejected (worker ejected mid-attempt), worker_status "
             "(a retryable HTTP status), mid_stream, no_worker, deadline, health (failed load polls), handoff (a "
-            "prefill answer without a valid handoff result)",
+            "prefill answer without a valid handoff result), queue_full (the prefill queue was full: 429)",
             ["kind"],
             registry=r,
         )
@@ -106,6 +114,16 @@ class RouterMetrics:
         )
         for outcome in HANDOFF_OUTCOMES:
             self.handoffs.labels(outcome=outcome)
+        self.prefill_queue_depth = Gauge(
+            "deepinfer_router_prefill_queue_depth",
+            "Long prompts waiting in the router for a prefill worker (late binding)",
+            registry=r,
+        )
+        self.prefill_queued = Counter(
+            "deepinfer_router_prefill_queued",
+            "Long prompts that could not be placed at arrival and waited in the router",
+            registry=r,
+        )
         self.ejections = Counter("deepinfer_router_ejections", "Workers ejected", ["worker"], registry=r)
         self.readmissions = Counter(
             "deepinfer_router_readmissions", "Ejected workers re-admitted", ["worker"], registry=r

@@ -47,6 +47,7 @@ class WorkerView:
     kv_capacity_tokens: int = 0
     admitted: bool = True  # healthy and not ejected
     kv_store_id: str = ""  # the shared KV store it hands blocks through ("": it cannot)
+    slowdown: float = 1.0  # measured / predicted prompt seconds, learnt online (LoadBook)
 
     @property
     def can_prefill(self) -> bool:
@@ -59,6 +60,15 @@ class WorkerView:
     def request_cost_s(self, request: RequestInfo) -> float:
         """Predicted compute of the request's prompt on this worker (its own cost model)."""
         return self.cost_model.marginal(request.prompt_tokens, 0)
+
+    @property
+    def expected_backlog_s(self) -> float:
+        """The prompt work queued on the worker in real seconds: predicted backlog x slowdown."""
+        return self.slowdown * self.prefill_backlog_s
+
+    def expected_finish_s(self, request: RequestInfo) -> float:
+        """Real seconds until this worker would have computed ``request``'s prompt after its backlog."""
+        return self.slowdown * (self.prefill_backlog_s + self.request_cost_s(request))
 
 
 class Policy(Protocol):
@@ -75,14 +85,15 @@ def _argmin(candidates: Sequence[WorkerView], key) -> WorkerView:
 
 class EstimatedCompute:
     """Prefill: the lowest predicted queue time, i.e. the worker's queued prompt work plus this
-    request's predicted cost on it, in seconds from each worker's own cost model (cache-agnostic)."""
+    request's predicted cost on it, in seconds from each worker's own cost model (cache-agnostic),
+    scaled by the worker's measured slowdown (:attr:`WorkerView.slowdown`). The router binds these
+    choices late (:mod:`deepinfer.router.prefill_queue`): a request is placed only when a worker's
+    backlog is under the horizon."""
 
     name = "estimated-compute"
 
     def choose(self, request: RequestInfo, candidates: Sequence[WorkerView]) -> WorkerView:
-        return _argmin(
-            candidates, lambda w: (w.prefill_backlog_s + w.request_cost_s(request), w.active_requests)
-        )
+        return _argmin(candidates, lambda w: (w.expected_finish_s(request), w.active_requests))
 
 
 class DecodeLoad:

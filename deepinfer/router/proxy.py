@@ -21,6 +21,12 @@ of workers the request goes on to the next attempt, which plans without the work
 decode-capable worker computes the prompt itself). A handoff that ends without the decode's ack has
 its lease released at the prefill side (``POST /kv/release``, idempotent), in the background. A
 request the handoff cannot carry (several prompts or choices) is served by one worker.
+
+Late binding (estimated-compute, :mod:`deepinfer.router.prefill_queue`): a long prompt's first
+attempt is planned only once the prefill worker the policy picks has an expected backlog under
+``prefill_horizon_s``; the placement is booked in the load book in the same step, so two waiting
+requests never take one free slot. Retries are planned at once. A two-hop answer names the worker that
+computed the prompt in ``x-deepinfer-prefill-worker``.
 """
 
 from __future__ import annotations
@@ -43,7 +49,17 @@ from deepinfer.router.config import RouterConfig
 from deepinfer.router.estimate import estimate_request
 from deepinfer.router.handoff import Handoff, HandoffError, PrefillResult
 from deepinfer.router.metrics import RouterMetrics
-from deepinfer.router.policies import NoWorker, Policy, RequestInfo, TwoHop, WorkerView, handoff_pairs, plan
+from deepinfer.router.policies import (
+    Direct,
+    NoWorker,
+    Policy,
+    RequestInfo,
+    TwoHop,
+    WorkerView,
+    handoff_pairs,
+    plan,
+)
+from deepinfer.router.prefill_queue import PrefillQueue, QueueFull
 from deepinfer.router.registry import Registry
 from deepinfer.router.stream import Api, EventSplitter, carries_output, dialect, error_events
 from deepinfer.server.errors import ApiError
@@ -55,6 +71,7 @@ T = TypeVar("T")
 RETRYABLE_STATUS = {429, 502, 503, 504}
 HOP_BY_HOP = {"host", "content-length", "connection", "keep-alive", "transfer-encoding", "te", "upgrade"}
 WORKER_HEADER = "x-deepinfer-worker"  # the worker that answered (the last one tried)
+PREFILL_WORKER_HEADER = "x-deepinfer-prefill-worker"  # two hops: the worker that computed the prompt
 RELEASE_PATH = "/kv/release"  # deepinfer.server.kv_transfer
 CLIENT_ERRORS = {400, 401, 403, 404, 413, 422}  # the request itself is wrong: relayed, not retried
 TOKEN_LIMIT = {"chat": "max_tokens", "completions": "max_tokens", "responses": "max_output_tokens",
@@ -104,6 +121,7 @@ class Proxy:
         prefill: Policy,
         decode: Policy,
         metrics: RouterMetrics,
+        queue: PrefillQueue | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.config = config
@@ -113,6 +131,7 @@ class Proxy:
         self.prefill = prefill
         self.decode = decode
         self.metrics = metrics
+        self.queue = queue  # late binding of long prompts; None: placed at arrival
         self.clock = clock
         self._closing: set[asyncio.Task] = set()
 
@@ -137,32 +156,45 @@ class Proxy:
         tried: set[str] = set()
         route_kind = "none"
         for attempt in range(self.config.max_attempts):
+            if attempt and self.clock() >= deadline:
+                break
             views = [
                 v if v.url not in tried else replace(v, admitted=False) for v in self.registry.book.views()
             ]
+            booked: str | None = None  # the load book's id of a placement the queue made
             try:
-                route = plan(
-                    info,
-                    views,
-                    self.prefill,
-                    self.decode,
-                    self.config.min_disaggregated_tokens,
-                    _can_hand_off(api, body),
-                )
+                if attempt == 0 and self._late(info):
+                    route, booked = await self._placed(api, body, info, deadline)
+                else:
+                    route = plan(
+                        info,
+                        views,
+                        self.prefill,
+                        self.decode,
+                        self.config.min_disaggregated_tokens,
+                        _can_hand_off(api, body),
+                    )
             except NoWorker as exc:
                 if not failures:
                     self.metrics.failures.labels(kind="no_worker").inc()
                     self.metrics.requests.labels(api=api, path="none", outcome="error").inc()
                     return ApiError(503, f"no worker can serve the request: {exc}").response(dialect(api))
                 break
+            except QueueFull as exc:
+                self.metrics.failures.labels(kind="queue_full").inc()
+                self.metrics.requests.labels(api=api, path="none", outcome="error").inc()
+                error = ApiError(
+                    429, f"the router is at capacity ({exc}); retry later", headers={"Retry-After": "1"}
+                )
+                return error.response(dialect(api))
+            except TimeoutError:
+                break  # the deadline passed in the queue
             if attempt:
                 self.metrics.retries.inc()
-            if self.clock() >= deadline:
-                break
             if isinstance(route, TwoHop):
                 route_kind = "two_hop"
                 result = await self._two_hop(api, path, body, forward, stream, info, route, deadline, tried,
-                                             failures)  # fmt: skip
+                                             failures, booked)  # fmt: skip
                 if result is not None:
                     self.metrics.requests.labels(api=api, path=route_kind, outcome="ok").inc()
                     return result
@@ -170,8 +202,9 @@ class Proxy:
             url, route_kind = route.worker.url, route.reason
             tried.add(url)
             result = await self._attempt(
-                api, url, path, raw, forward, stream, info, route.worker.request_cost_s(info), deadline
-            )
+                api, url, path, raw, forward, stream, info, route.worker.request_cost_s(info), deadline,
+                booked=booked,
+            )  # fmt: skip
             if isinstance(result, Response):
                 self.metrics.requests.labels(api=api, path=route_kind, outcome="ok").inc()
                 return result
@@ -180,6 +213,38 @@ class Proxy:
             failures.append((url, result))
         self.metrics.requests.labels(api=api, path=route_kind, outcome="error").inc()
         return self._give_up(api, failures, deadline)
+
+    def _late(self, info: RequestInfo) -> bool:
+        """Whether ``info``'s first attempt goes through the prefill queue (a long prompt)."""
+        return self.queue is not None and info.prompt_tokens >= self.config.min_disaggregated_tokens
+
+    async def _placed(
+        self, api: Api, body: dict, info: RequestInfo, deadline: float
+    ) -> tuple[Direct | TwoHop, str]:
+        """Plan a long prompt through the prefill queue: the route, once its prefill-side worker is
+        under the horizon, and the load book's id of the prompt booked on that worker."""
+        book, handoff = self.registry.book, _can_hand_off(api, body)
+
+        def attempt() -> tuple[Direct | TwoHop, str] | None:
+            views = book.views()
+            route = plan(
+                info, views, self.prefill, self.decode, self.config.min_disaggregated_tokens, handoff
+            )
+            worker = route.prefill if isinstance(route, TwoHop) else route.worker
+            if not self.queue.under_horizon(worker.expected_backlog_s):
+                return None
+            rid = uuid.uuid4().hex
+            book.dispatched(worker.url, rid, worker.request_cost_s(info), info.prompt_tokens, self.clock())
+            return route, rid
+
+        able = [v for v in book.views() if v.admitted and v.can_prefill]
+        cost = min((v.slowdown * v.request_cost_s(info) for v in able), default=0.0)
+        return await self.queue.place(attempt, cost, deadline - self.clock())
+
+    def _progress(self) -> None:
+        """A worker's load went down: waiting prompts may be placeable."""
+        if self.queue is not None:
+            self.queue.kick()
 
     async def _two_hop(
         self,
@@ -193,9 +258,11 @@ class Proxy:
         deadline: float,
         tried: set[str],
         failures: list[tuple[str, _Failure]],
+        booked: str | None = None,
     ) -> Response | None:
         """One request's handoff (see the module docstring): the answer to relay, or None when it
-        failed before anything reached the client (the caller tries another path)."""
+        failed before anything reached the client (the caller tries another path). ``booked``: the
+        load book's id of the prompt already booked on ``route.prefill`` (late binding)."""
         store = route.prefill.kv_store_id
         h = Handoff(
             uuid.uuid4().hex,
@@ -208,10 +275,12 @@ class Proxy:
             while True:  # prefill
                 order = h.start_prefill(worker.url, time.time())
                 tried.add(worker.url)
-                got = await self._prefill(api, path, body, headers, worker, info, order, deadline)
+                got = await self._prefill(api, path, body, headers, worker, info, order, deadline, booked)
+                booked = None
                 if isinstance(got, PrefillResult):
                     try:
                         h.prefilled(got, time.time())
+                        prefilled_on = worker.url
                         break
                     except HandoffError as exc:
                         got = _Failure("handoff", str(exc))
@@ -232,6 +301,7 @@ class Proxy:
                 raw = json.dumps({**body, "kv_transfer": msgspec.to_builtins(order)}).encode()
                 result = await self._attempt(api, worker.url, path, raw, headers, stream, info, 0.0, deadline)
                 if isinstance(result, Response):
+                    result.headers[PREFILL_WORKER_HEADER] = prefilled_on
                     h.decode_output()
                     if result.status_code < 400:
                         h.finished()  # the decode worker acked the lease when it loaded the blocks
@@ -246,6 +316,9 @@ class Proxy:
                     return None
                 self.metrics.retries.inc()
         finally:
+            if booked is not None:  # never sent: take the booked prompt off its worker
+                self.registry.book.finished(route.prefill.url, booked, self.clock())
+                self._progress()
             h.abandon("no worker left for the handoff")  # if it has not ended: nothing reached the client
             self.metrics.handoffs.labels(outcome=h.state.value).inc()
             handoff_id = h.take_release()
@@ -277,14 +350,17 @@ class Proxy:
         info: RequestInfo,
         order,
         deadline: float,
+        booked: str | None = None,
     ) -> PrefillResult | _Failure:
-        """Send the prefill half to ``worker``: its ``PrefillResult``, or why not."""
+        """Send the prefill half to ``worker``: its ``PrefillResult``, or why not (``booked``: see
+        :meth:`_two_hop`)."""
         prefill = {k: v for k, v in body.items() if k not in ("stream_options", "max_completion_tokens")}
         prefill.update({"stream": False, TOKEN_LIMIT[api]: 1, "kv_transfer": msgspec.to_builtins(order)})
         raw = json.dumps(prefill).encode()
         result = await self._attempt(
-            api, worker.url, path, raw, headers, False, info, worker.request_cost_s(info), deadline
-        )
+            api, worker.url, path, raw, headers, False, info, worker.request_cost_s(info), deadline,
+            booked=booked,
+        )  # fmt: skip
         if isinstance(result, _Failure):
             return result
         if result.status_code in CLIENT_ERRORS:
@@ -329,10 +405,18 @@ class Proxy:
         info: RequestInfo,
         cost_s: float,
         deadline: float,
+        *,
+        booked: str | None = None,
     ) -> Response | _Failure:
-        book, rid = self.registry.book, uuid.uuid4().hex
+        """One request to one worker. ``booked``: the load book's id of this attempt, already booked
+        (late binding); else it is booked here."""
+        book = self.registry.book
+        if booked is None:
+            rid = uuid.uuid4().hex
+            book.dispatched(url, rid, cost_s, info.prompt_tokens, self.clock())
+        else:
+            rid = booked
         ejected = self.registry.ejected(url)
-        book.dispatched(url, rid, cost_s, info.prompt_tokens, self.clock())
         self.metrics.dispatched.labels(worker=url).inc()
         request = self.client.build_request("POST", f"{url}{path}", content=raw, headers=headers)
         response: httpx.Response | None = None
@@ -352,6 +436,7 @@ class Proxy:
                 return self._relay(response, body, url)
             opening, chunks = await self._opening(api, response, ejected, deadline)
             book.prefilled(url, rid, self.clock())
+            self._progress()
             handed_over = True
             events = self._relay_stream(api, url, rid, response, chunks, opening, ejected, deadline)
             relayed = EventStreamResponse(events, on_close=lambda: self._closed(url, rid, response))
@@ -368,12 +453,14 @@ class Proxy:
         finally:
             if not handed_over:
                 book.finished(url, rid, self.clock())
+                self._progress()
                 if response is not None:
                     await response.aclose()
 
     def _closed(self, url: str, rid: str, response: httpx.Response) -> None:
         """A relayed stream ended, however it ended (also when it never started): idempotent."""
         self.registry.book.finished(url, rid, self.clock())
+        self._progress()
         if not response.is_closed:
             self._background(response.aclose())
 
@@ -442,6 +529,7 @@ class Proxy:
             yield error_events(api, ApiError(502, message), sent).decode()
         finally:
             self.registry.book.finished(url, rid, self.clock())
+            self._progress()
             await rest.aclose()
             await response.aclose()
 

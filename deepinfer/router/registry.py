@@ -75,6 +75,7 @@ class Registry:
         self._tokenizer = (tokenizer_fingerprint, tokenizer_source)
         self._clock = clock
         self._records: dict[str, _Record] = {}
+        self.listeners: list[Callable[[], None]] = []  # called after each load report is taken in
 
     # ------------------------------------------------------------------ joining
     async def _fetch(self, url: str) -> WorkerLoad:
@@ -188,6 +189,8 @@ class Registry:
             self._readmit(url)
         else:
             self._failed(url, "the worker reports itself unhealthy")
+        for listener in self.listeners:
+            listener()
 
     def _failed(self, url: str, reason: str) -> None:
         record = self._records[url]

@@ -4,7 +4,7 @@ Read at scrape time by the server's engine collector; the store itself never imp
 prometheus-client. Series: ``deepinfer_kv_store_{hits,bytes_read,bytes_written,writes,evictions,
 expirations,corrupt_reads}_total{tier}``, ``deepinfer_kv_store_{entries,bytes}{tier}``,
 ``deepinfer_kv_store_lookup_{blocks,hit_blocks,misses}_total``,
-``deepinfer_kv_store_saves_refused_total`` and the ``deepinfer_kv_store_load_seconds`` histogram.
+``deepinfer_kv_store_saves_refused_total``, ``deepinfer_kv_store_writes_dropped_total`` and the ``deepinfer_kv_store_load_seconds`` histogram.
 With several engine cores (data-parallel ranks), each has its own store client and counters: every
 series then carries a ``rank`` label, one sample per core (``sum by (tier)`` gives the server's total;
 a disk or shared tier's ``entries``/``bytes`` are each rank's view of one directory, so not a sum).
@@ -52,6 +52,7 @@ def kv_store_families(snapshots: dict[str | None, dict]) -> Iterator[Metric]:
         ("hit_blocks", "Leading blocks found by lookups"),
         ("misses", "Lookups that found fewer blocks than asked"),
         ("saves_refused", "Block saves dropped because every host slot was leased"),
+        ("writes_dropped", "Block saves kept in host memory only because the write-behind backlog was full"),
     ):
         family = CounterMetricFamily(f"deepinfer_kv_store_{name}", help_text, labels=extra)
         for rank, snapshot in snapshots.items():

@@ -8,12 +8,14 @@ its registry, so several servers can live in one process (tests).
 
 from __future__ import annotations
 
+import bisect
 import time
 from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
 from deepinfer.core.messages import EngineStats
 from deepinfer.outputs import RequestOutput
@@ -115,6 +117,31 @@ def _rank_families(cores: dict[int, EngineStats]) -> Iterator[Metric]:
         yield family
 
 
+class TokenHistogram(Collector):
+    """A Prometheus histogram for values recorded per token: ``observe(value, count)`` counts
+    ``value`` ``count`` times at the cost of one observation (a step's tokens at once), with no lock
+    (it is only fed from the event loop's thread). Exposed like a ``prometheus_client.Histogram``
+    (``_bucket`` series with ``le`` labels, ``_count``, ``_sum``)."""
+
+    def __init__(self, name: str, documentation: str, buckets: tuple[float, ...], registry) -> None:
+        self.name, self.documentation = name, documentation
+        self._bounds = tuple(sorted(buckets))
+        self._counts = [0] * (len(self._bounds) + 1)  # the last: above every bound
+        self._sum = 0.0
+        registry.register(self)
+
+    def observe(self, value: float, count: int = 1) -> None:
+        self._counts[bisect.bisect_left(self._bounds, value)] += count
+        self._sum += value * count
+
+    def collect(self) -> Iterator[Metric]:
+        buckets, total = [], 0
+        for bound, count in zip((*self._bounds, float("inf")), self._counts):
+            total += count
+            buckets.append((floatToGoString(bound), total))
+        yield HistogramMetricFamily(self.name, self.documentation, buckets=buckets, sum_value=self._sum)
+
+
 class ServerMetrics:
     """The server's registry and the per-request instruments."""
 
@@ -135,11 +162,8 @@ class ServerMetrics:
             buckets=(*LATENCY_BUCKETS, 20.0, 40.0, 80.0),
             registry=r,
         )
-        self.inter_token = Histogram(
-            "deepinfer_inter_token_latency_seconds",
-            "Time between output tokens",
-            buckets=LATENCY_BUCKETS,
-            registry=r,
+        self.inter_token = TokenHistogram(
+            "deepinfer_inter_token_latency_seconds", "Time between output tokens", LATENCY_BUCKETS, r
         )
         self.e2e = Histogram(
             "deepinfer_e2e_request_latency_seconds",
@@ -186,9 +210,7 @@ class RequestMeter:
             if self._generated == 0 and output.metrics.ttft is not None:
                 self._m.ttft.observe(output.metrics.ttft)
             elif self._last_time is not None:
-                gap = (now - self._last_time) / new
-                for _ in range(new):
-                    self._m.inter_token.observe(gap)
+                self._m.inter_token.observe((now - self._last_time) / new, new)
             self._last_time = now
         self._generated = generated
         self._last = output

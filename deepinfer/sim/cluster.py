@@ -78,6 +78,13 @@ class ClusterConfig:
     kv_transfer_bytes_per_s: float = 50e9
     kv_bytes_per_token: float = 70272.0
     admission_delay_s: float = 0.0  # arrival -> scheduler: the API front (HTTP, validation, hand-off)
+    delivery_delay_s: float = 0.0  # a token's step end -> the client has it (detokenizer, SSE, HTTP)
+    # The P/D handoff. "prefill": the prefill worker's first token is the client's, the decode worker
+    # continues after it with the whole prompt's KV (DeepSeek's design). "decode": our router's
+    # (deepinfer.router.proxy): the prefill hop's token is not streamed; the decode worker gets the
+    # prompt's full blocks before its last token, computes the rest and samples the first token.
+    first_token_from: Literal["prefill", "decode"] = "prefill"
+    kv_transfer_latency_s: float = 0.0  # per handoff, on top of the bytes (router hop, file writes)
     router: RouterConfig = field(default_factory=RouterConfig)  # policies, thresholds, poll period
 
     def __post_init__(self) -> None:
@@ -163,9 +170,10 @@ class _Worker:
             self.busy_s += seconds
             tokens = [sum(n for n, _ in w) for w in work]
             self.balance_sum += (sum(tokens) / len(tokens)) / max(tokens)
+            runner_s = self.pool.cost.runner_seconds(work)
             for rank, output in zip(self.ranks, outputs):
                 rank.busy_s += seconds
-                rank.scheduler.observe_step_time(output, seconds)
+                rank.scheduler.observe_step_time(output, runner_s)
                 self.sim.apply(self, rank, output)
 
 
@@ -272,11 +280,14 @@ class Simulation:
                 index = self._offsets.get(scheduled.request_id, 0) + request.num_output_tokens
                 sampled[scheduled.request_id] = [outputs[index]]
         now = self.env.now
+        delivered = now + self.config.delivery_delay_s
+        hidden = rank.role is Role.PREFILL and self.config.first_token_from == "decode"
         for request in rank.scheduler.update_from_output(output, sampled):
             trace = self.traces[request.request_id]
-            trace.token_times.append(now)
-            if trace.first_token_s is None:
-                trace.first_token_s = now
+            if not hidden:
+                trace.token_times.append(delivered)
+                if trace.first_token_s is None:
+                    trace.first_token_s = delivered
             if request.num_output_tokens == 1:
                 self.router.first_output(rank.url, request.request_id, now)
             if request.status.finished:
@@ -288,12 +299,12 @@ class Simulation:
         rank.in_flight -= 1
         self.router.finished(rank.url, rid, now)
         decode_url = self._decode_url.pop(rid, None)
-        if decode_url is not None and arrival.output_tokens > 1:
+        if decode_url is not None and (arrival.output_tokens > 1 or self.config.first_token_from == "decode"):
             self.env.process(self._handoff(arrival, request, decode_url))
             return
         if decode_url is not None:  # one output token: the decode hop has nothing to do
             self.router.finished(decode_url, rid, now)
-        trace.finished_s = now
+        trace.finished_s = now + self.config.delivery_delay_s
         del self._requests[rid]
         self._offsets.pop(rid, None)
         if self.config.store is not None:
@@ -303,18 +314,24 @@ class Simulation:
 
     def _handoff(self, arrival: Arrival, prefilled: Request, decode_url: str):
         """Prefill done: move the prompt's KV to the decode rank chosen for it and continue there."""
-        nbytes = prefilled.num_computed_tokens * self.config.kv_bytes_per_token
-        yield self.env.timeout(nbytes / self.config.kv_transfer_bytes_per_s)
+        config = self.config
         worker, rank = self._by_url[decode_url]
+        if config.first_token_from == "decode":  # the decode worker recomputes the prompt's tail
+            tokens = list(prefilled.prompt_token_ids)
+            handed = (len(tokens) - 1) // rank.kv.block_size * rank.kv.block_size
+            max_tokens = arrival.output_tokens
+        else:
+            tokens = list(prefilled.all_token_ids)
+            handed = prefilled.num_computed_tokens
+            max_tokens = arrival.output_tokens - 1
+            self._offsets[arrival.request_id] = 1  # the prefill worker sampled the first output token
+        nbytes = handed * config.kv_bytes_per_token
+        yield self.env.timeout(config.kv_transfer_latency_s + nbytes / config.kv_transfer_bytes_per_s)
         rank.in_flight += 1
-        tokens = list(prefilled.all_token_ids)
-        request = Request(
-            arrival.request_id, tokens, _PARAMS, 0, arrival.output_tokens - 1, frozenset(), self.env.now
-        )
-        self._offsets[arrival.request_id] = 1  # the prefill worker sampled the first output token
-        request.block_hashes.extend(prefilled.block_hashes)  # same tokens, same chain
+        request = Request(arrival.request_id, tokens, _PARAMS, 0, max_tokens, frozenset(), self.env.now)
+        request.block_hashes.extend(prefilled.block_hashes[: len(tokens) // rank.kv.block_size])  # same chain
         rank.kv.find_cached_prefix(request)  # hashes the rest
-        _land(rank.kv, request, prefilled.num_computed_tokens)
+        _land(rank.kv, request, handed)
         rank.scheduler.add_request(request)
         worker.notify()
 

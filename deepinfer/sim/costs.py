@@ -18,8 +18,9 @@ model fitted to itself, as the engine's start-up calibration fits one to the rea
 
 from __future__ import annotations
 
+import random
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from deepinfer.engine.cost_model import StepCostModel, Work, attention_pairs
@@ -30,21 +31,47 @@ class ForwardCost(Protocol):
     def step_seconds(self, ranks: Sequence[Sequence[Work]]) -> float:
         """Seconds of one lockstep step; ``ranks[i]`` is rank i's (new, cached) work."""
 
+    def runner_seconds(self, ranks: Sequence[Sequence[Work]]) -> float:
+        """Of those, what the engine's model runner measures and feeds back to its scheduler's time
+        budget (``Scheduler.observe_step_time``)."""
+
     def scheduler_model(self) -> StepCostModel:
         """The cost model the engine's scheduler on one rank uses for its time budget."""
 
 
 @dataclass(frozen=True, slots=True)
 class CalibratedCost:
-    """The engine's measured cost model; one rank (a single aggregated engine). ``scale`` corrects
-    for what the forward-pass calibration does not see (the serving front sharing the host); the
-    scheduler still gets the model itself, as in the engine, and its feedback learns the rest."""
+    """Measured cost models of one aggregated engine (one rank).
+
+    ``model`` is the scheduler's: the engine's start-up calibration, which cuts prompt chunks to the
+    step time budget, as in the engine. ``step`` is the served step's period, from one step's start
+    to the next's (scheduling, the forward pass, applying the results and the core loop's messaging),
+    and ``runner`` the model runner's share of it (what the engine feeds back to its scheduler): both
+    fitted by :func:`deepinfer.sim.validation.fit_served_steps` to real served steps' compositions
+    and durations (``deepinfer.core.step_log``). Left out, each is the one before it.
+
+    ``jitter``: measured over predicted runner times of real steps; each runner time fed back is the
+    prediction times one of them, drawn at random (seeded by ``seed``). The engine's time budget
+    follows the 90th percentile of those ratios (``Scheduler.observe_step_time``), so a host's jitter
+    shrinks its prompt chunks, which a clock without it would not show. The clock itself stays the
+    expected step time."""
 
     model: StepCostModel
-    scale: float = 1.0
+    step: StepCostModel | None = None
+    runner: StepCostModel | None = None
+    jitter: tuple[float, ...] = ()
+    seed: int = 0
+    _rng: random.Random = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_rng", random.Random(self.seed))
 
     def step_seconds(self, ranks: Sequence[Sequence[Work]]) -> float:
-        return self.scale * max(self.model.predict(work) for work in ranks)
+        return max((self.step or self.model).predict(work) for work in ranks)
+
+    def runner_seconds(self, ranks: Sequence[Sequence[Work]]) -> float:
+        seconds = max((self.runner or self.step or self.model).predict(work) for work in ranks)
+        return seconds * self._rng.choice(self.jitter) if self.jitter else seconds
 
     def scheduler_model(self) -> StepCostModel:
         return self.model
@@ -254,6 +281,9 @@ class RooflineCost:
         return (
             self.efficiency.step_overhead_s + attention + self.moe_seconds(mean_tokens * self.ep, max(tokens))
         )
+
+    def runner_seconds(self, ranks: Sequence[Sequence[Work]]) -> float:
+        return self.step_seconds(ranks)  # no host loop modelled apart: the whole step is the runner's
 
     def scheduler_model(self) -> StepCostModel:
         """A StepCostModel fitted to this roofline on single-rank prompt chunks and decode batches at

@@ -156,6 +156,9 @@ class _Scaled:
     def step_seconds(self, ranks) -> float:
         return self.inner.step_seconds(ranks) * self.factor
 
+    def runner_seconds(self, ranks) -> float:
+        return self.inner.runner_seconds(ranks) * self.factor
+
     def scheduler_model(self) -> StepCostModel:
         m = self.inner.scheduler_model()
         f = self.factor

@@ -1,20 +1,36 @@
-"""Check the simulator against our own engine: one trace, replayed through ``deepinfer serve`` on this
-machine and through the simulator calibrated on this machine.
+"""Check the simulator against our own serving stack: the same traces replayed through real engine
+processes on this machine and through the simulator calibrated on this machine.
 
-The trace: Poisson arrivals of code prompts (held-out stdlib code, tokenized by the model's own
-tokenizer) that share prefixes — each prompt is one of a few shared file headers followed by its own
-window of code — with a fixed output length (EOS ignored). The real side streams each request over
-HTTP (``deepinfer.bench.serve``) from a server running one aggregated worker with a step time
-budget. The simulated side runs the engine's scheduler with the server's settings, with the step
-cost model the server calibrated at start-up — a fresh server per trace, so that its profiling sweep
-runs right before the trace it models, under the same host load — corrected by two figures fitted
-on a *different* trace
-(the calibration run: other prompts and arrival times, same rate): a factor on step time (the real
-step on a 2-core host also pays for the HTTP front, detokenization and the load generator sharing
-the cores, which the start-up calibration of forward passes alone does not see) and the front's
-admission delay. The engine's busy time during each trace (``GET /load``) is reported beside the
-simulated one: on a shared host, a gap between them that the calibration trace did not have is the
-load having changed between the sweep and the trace.
+Two setups, each started once and fed two traces (Poisson arrivals of code prompts that share
+prefixes: one of a few shared file headers, Zipf-popular, then the request's own window of held-out
+code; a fixed output length, EOS ignored), a *calibration* trace and a *held-out* one, whose prompts
+share no prefix with each other:
+
+- ``aggregated``: one ``deepinfer serve`` (one engine thread) with a step time budget;
+- ``disaggregated``: ``deepinfer cluster`` with one prefill and one decode worker (one thread each)
+  behind the router, every prompt taking the two hops (prefill, KV handoff through the shared store,
+  decode).
+
+Every engine core writes its step log (``DEEPINFER_STEP_LOG_DIR``, :mod:`deepinfer.core.step_log`):
+each step's composition ((new, cached) tokens per request), its start and end and the model
+runner's share, and each request's arrival at the core. From the *calibration trace only*
+(:func:`fit_served_steps`, :func:`fit_front`, :func:`fit_handoff`) come:
+
+- the served step's period (one step's start to the next's, so the core loop's messaging is in it)
+  and the runner's share, each a :class:`~deepinfer.engine.cost_model.StepCostModel` fitted by least
+  squares (relative error) to the real steps' compositions;
+- the API front's latency in (client send -> the core has the request, on requests that found the
+  core idle, so that no step delayed them) and out (the step that produced a token -> the client has
+  it), medians;
+- for the P/D setup, the KV handoff: the prefill worker's step end -> the decode worker's first step
+  with the request, fitted as a latency plus a per-token cost over the tokens handed over.
+
+The simulator then replays both traces (the measured send times as arrivals) with the engine's
+scheduler and the servers' start-up cost model for chunking, the fitted step models as the clock,
+and the router's own policies; nothing is refitted on the held-out trace. The report has, per setup
+and trace, TTFT p50/p90, TPOT p50/p90 and output throughput, measured and simulated, and their
+errors; the step models' error on the held-out trace's own steps; and how the served steps compare
+with the start-up calibration the old validation used alone (the reason it was pessimistic).
 """
 
 from __future__ import annotations
@@ -25,17 +41,29 @@ import json
 import os
 import random
 import shutil
+import signal
+import statistics
+import subprocess
+import sys
 import tempfile
+import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import numpy as np
+
+from deepinfer import envs
+from deepinfer.core.step_log import read_step_log
 from deepinfer.engine.cost_model import StepCostModel
+from deepinfer.router.config import RouterConfig
 from deepinfer.sim.cluster import ClusterConfig, EngineKnobs, PoolConfig, Simulation
 from deepinfer.sim.costs import CalibratedCost
-from deepinfer.sim.report import summarise
+from deepinfer.sim.report import percentile
 from deepinfer.sim.workload import Arrival, Segment
 
 METRICS = (("ttft_s", "p50"), ("ttft_s", "p90"), ("tpot_s", "p50"), ("tpot_s", "p90"))
+SETUPS = ("aggregated", "disaggregated")
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,13 +84,14 @@ class ServerSettings:
     max_num_seqs: int = 256
     kv_cache_memory_gib: float = 1.0
 
-    def args(self) -> list[str]:
-        return [
+    def args(self, with_cache: bool = True) -> list[str]:
+        """``deepinfer serve`` options (``with_cache``: the KV cache size too; a cluster sets it)."""
+        out = [
             "--step-time-budget-ms", str(self.step_time_budget_ms),
             "--max-num-batched-tokens", str(self.max_num_batched_tokens),
             "--max-num-seqs", str(self.max_num_seqs),
-            "--kv-cache-memory-gib", str(self.kv_cache_memory_gib),
         ]  # fmt: skip
+        return out + (["--kv-cache-memory-gib", str(self.kv_cache_memory_gib)] if with_cache else [])
 
 
 def build_prompts(stream: list[int], spec: TraceSpec) -> list[list[int]]:
@@ -82,7 +111,7 @@ def build_prompts(stream: list[int], spec: TraceSpec) -> list[list[int]]:
 
 
 def arrival_times(spec: TraceSpec) -> list[float]:
-    """The send times ``deepinfer.bench.serve.run_load`` uses for ``seed`` (exponential gaps)."""
+    """Send offsets (seconds from the trace's start): exponential gaps at ``request_rate``."""
     rng = random.Random(spec.seed)
     times, t = [], 0.0
     for _ in range(spec.num_requests):
@@ -91,165 +120,458 @@ def arrival_times(spec: TraceSpec) -> list[float]:
     return times
 
 
-def simulate_trace(
-    prompts: list[list[int]], spec: TraceSpec, settings: ServerSettings, model: StepCostModel, num_blocks: int,
-    block_size: int, scale: float = 1.0, admission_delay_s: float = 0.0,
-) -> dict:  # fmt: skip
-    """The simulator's figures for the trace, in the load generator's terms."""
-    arrivals = [
-        Arrival(t, f"r{i}", "code", (Segment(("prompt", i), len(p)),), spec.output_len, tuple(p))
-        for i, (t, p) in enumerate(zip(arrival_times(spec), prompts))
-    ]
-    knobs = EngineKnobs(
-        num_blocks=num_blocks, block_size=block_size, max_num_seqs=settings.max_num_seqs,
-        max_num_batched_tokens=settings.max_num_batched_tokens,
-        step_time_budget_s=settings.step_time_budget_ms / 1e3, max_model_len=1 << 20,
-    )  # fmt: skip
-    pool = PoolConfig("both", 1, 1, CalibratedCost(model, scale), knobs)
-    sim = Simulation(ClusterConfig([pool], admission_delay_s=admission_delay_s))
-    sim.run(arrivals, until=1e6)
-    result = summarise(sim, 0.0, arrivals[-1].time + 1e-9, 1)
-    finished = [t.finished_s for t in sim.traces.values()]
-    result["wall_s"] = max(finished)
-    result["output_tokens_per_s"] = len(arrivals) * spec.output_len / result["wall_s"]
-    result["prefix_cache_hit_rate"] = result["cache_hit_rate"].get("device", 0.0)
-    result["busy_s"] = sim.pools["both"][0].busy_s
-    return result
+# ---------------------------------------------------------------------------------- the real side
+@dataclass(slots=True)
+class Served:
+    """One trace through the real stack: per request (in send order) its prompt, its send time and
+    what the client saw (``deepinfer.bench.serve.RequestResult``, times relative to the send);
+    absolute times are ``time.perf_counter()`` (the step logs' clock)."""
+
+    prompts: list[list[int]]
+    sends: list[float]
+    results: list
+    load_average: tuple[tuple[float, ...], tuple[float, ...]]
+
+    @property
+    def start(self) -> float:
+        return self.sends[0]
+
+    @property
+    def end(self) -> float:
+        return max(s + r.end_s for s, r in zip(self.sends, self.results))
+
+    def figures(self) -> dict:
+        """The load generator's figures (``deepinfer.bench.serve.summarise``) of the trace."""
+        from deepinfer.bench.serve import summarise
+
+        errors = [r.error for r in self.results if r.error]
+        if errors:
+            raise RuntimeError(f"{len(errors)} requests of the trace failed, e.g. {errors[0]}")
+        return _figures(summarise(self.results, self.end - self.start, 0.0))
 
 
-def errors(real: dict, simulated: dict) -> dict[str, float]:
-    out = {f"{m.removesuffix('_s')}_{q}": simulated[m][q] / real[m][q] - 1 for m, q in METRICS}
-    out["throughput"] = simulated["output_tokens_per_s"] / real["output_tokens_per_s"] - 1
-    return out
+async def _replay(url: str, model: str, prompts: list[list[int]], offsets: list[float], output_len: int):
+    """Send each prompt at its offset from now, on its own connection; (send times, results)."""
+    from urllib.parse import urlsplit
+
+    from deepinfer.bench.serve import _one
+    from deepinfer.bench.sse_client import SSEConnection
+
+    parts = urlsplit(url)
+    start = time.perf_counter()
+    sends = [0.0] * len(prompts)
+
+    async def one(i: int):
+        await asyncio.sleep(max(0.0, start + offsets[i] - time.perf_counter()))
+        conn = SSEConnection(parts.hostname, parts.port)
+        try:
+            sends[i] = time.perf_counter()
+            return await asyncio.wait_for(_one(conn, model, prompts[i], output_len, None), 600)
+        finally:
+            conn.close()
+
+    results = await asyncio.gather(*(one(i) for i in range(len(prompts))))
+    return sends, results
 
 
-def fit_overheads(
-    prompts: list[list[int]], spec: TraceSpec, settings: ServerSettings, model: StepCostModel, num_blocks: int,
-    block_size: int, real: dict,
-) -> tuple[float, float]:  # fmt: skip
-    """What the start-up calibration does not see, fitted on the calibration run: a factor on step
-    time (golden-section search on the TPOT p50 error), then the API front's admission delay (the
-    TTFT p50 left over, which a constant delay shifts one for one)."""
-
-    def tpot_error(scale: float) -> float:
-        return abs(
-            errors(real, simulate_trace(prompts, spec, settings, model, num_blocks, block_size, scale))[
-                "tpot_p50"
-            ]
-        )
-
-    lo, hi = 0.5, 3.0
-    golden = 0.618
-    a, b = hi - golden * (hi - lo), lo + golden * (hi - lo)
-    fa, fb = tpot_error(a), tpot_error(b)
-    for _ in range(10):
-        if fa < fb:
-            hi, b, fb = b, a, fa
-            a = hi - golden * (hi - lo)
-            fa = tpot_error(a)
-        else:
-            lo, a, fa = a, b, fb
-            b = lo + golden * (hi - lo)
-            fb = tpot_error(b)
-    scale = (a + b) / 2
-    simulated = simulate_trace(prompts, spec, settings, model, num_blocks, block_size, scale)
-    delay = max(0.0, real["ttft_s"]["p50"] - simulated["ttft_s"]["p50"])
-    return scale, delay
+def serve_trace(url: str, model: str, prompts: list[list[int]], spec: TraceSpec) -> Served:
+    load_before = os.getloadavg()
+    sends, results = asyncio.run(_replay(url, model, prompts, arrival_times(spec), spec.output_len))
+    return Served(prompts, sends, list(results), (load_before, os.getloadavg()))
 
 
-def run_trace(
-    model_dir: str, spec: TraceSpec, settings: ServerSettings, stream: list[int], cache_dir: Path
-) -> dict:
-    """One trace through a fresh ``deepinfer serve`` whose start-up calibration (a profiling sweep of
-    step shapes in that process) runs right before the trace, in the same conditions. Returns the
-    prompts, the measured figures, that server's cost model, the engine's busy seconds during the
-    trace (``GET /load``) and the host's load average before and after. ``cache_dir`` is the
-    server's cache folder: its stored cost models are removed first (so that the server calibrates),
-    its compiled kernels kept."""
+def _warm(url: str, model: str, stream: list[int]) -> None:
+    """Two requests whose prompts no trace shares, so that first-use costs stay out of the traces."""
     import httpx
 
-    from deepinfer.bench.serve import launch, run_load
-    from deepinfer.worker import calibration as engine_calibration
-
-    prompts = build_prompts(stream, spec)
-    shutil.rmtree(cache_dir / "cost_models", ignore_errors=True)
-    # One engine thread: steadier on a shared host.
-    server_env = {"DEEPINFER_CACHE_DIR": str(cache_dir), "DEEPINFER_NUM_THREADS": "1"}
-    with _environ(server_env):
-        load_before = os.getloadavg()
-        with launch(model_dir, settings.args()) as url:
-            before = httpx.get(f"{url}/metrics").text
-            busy_before = httpx.get(f"{url}/load").json()["engine"]["busy_s"]
-            real = asyncio.run(
-                run_load(
-                    url,
-                    Path(model_dir).name,
-                    prompts,
-                    spec.output_len,
-                    spec.request_rate,
-                    600.0,
-                    spec.seed,
-                )
-            )
-            busy = httpx.get(f"{url}/load").json()["engine"]["busy_s"] - busy_before
-            after = httpx.get(f"{url}/metrics").text
-        path = engine_calibration.cache_path("cpu", "cpu", Path(model_dir), "float32")
-        if not path.is_file():
-            raise RuntimeError(f"the server left no calibrated cost model at {path}")
-        model = StepCostModel.load(path)
-    queries, hits = (b - a for a, b in zip(_prefix_counters(before), _prefix_counters(after)))
-    real["prefix_cache_hit_rate"] = hits / max(1, queries)
-    return {"prompts": prompts, "real": real, "model": model, "busy_s": busy,
-            "load_average": (load_before, os.getloadavg())}  # fmt: skip
+    for n in (700, 300):
+        body = {"model": model, "prompt": stream[-n:], "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+        httpx.post(f"{url}/v1/completions", json=body, timeout=300).raise_for_status()
 
 
-def run_validation(
-    model_dir: str, calibration: TraceSpec, validation: TraceSpec, settings: ServerSettings
-) -> dict:
-    """Two traces (their prompts share no prefixes), each through a freshly calibrated server; the
-    overheads fitted on the first, the check on the second (with its own server's calibration).
-    Returns the measured and simulated figures, the relative errors, and per trace the engine's
-    measured busy time against the simulated one (a shift there is the host's load changing)."""
-    from deepinfer.backends.reference.cache import BLOCK_SIZE
-    from deepinfer.bench.workload import heldout_stream
-    from deepinfer.tokenizer import Tokenizer
+@contextlib.contextmanager
+def _aggregated(model_dir: str, settings: ServerSettings) -> Iterator[tuple[str, dict[str, int]]]:
+    """One ``deepinfer serve``; yields its URL and {"both": its core's pid}."""
+    import httpx
 
-    stream = heldout_stream(Tokenizer(Path(model_dir)))
-    config = json.loads((Path(model_dir) / "config.json").read_text())
-    layers = config["num_hidden_layers"] + config.get("num_nextn_predict_layers", 0)  # MTP layers cache too
-    bytes_per_block = BLOCK_SIZE * (config["kv_lora_rank"] + config["qk_rope_head_dim"]) * 4 * layers
-    num_blocks = int(settings.kv_cache_memory_gib * (1 << 30)) // bytes_per_block
-    cache_dir = Path(tempfile.mkdtemp(prefix="deepinfer-simval-"))
-    try:
-        runs = {name: (spec, run_trace(model_dir, spec, settings, stream, cache_dir))
-                for name, spec in (("calibration", calibration), ("validation", validation))}  # fmt: skip
-    finally:
-        shutil.rmtree(cache_dir, ignore_errors=True)
-    spec, cal = runs["calibration"]
-    scale, delay = fit_overheads(
-        cal["prompts"], spec, settings, cal["model"], num_blocks, BLOCK_SIZE, cal["real"]
-    )
-    out = {"settings": settings.args(), "server_env": {"DEEPINFER_NUM_THREADS": "1"}, "scale": scale,
-           "admission_delay_s": delay, "num_blocks": num_blocks}  # fmt: skip
-    for name, (spec, run) in runs.items():
-        simulated = simulate_trace(
-            run["prompts"], spec, settings, run["model"], num_blocks, BLOCK_SIZE, scale, delay
+    from deepinfer.bench.serve import launch
+
+    with launch(model_dir, settings.args()) as url:
+        health = httpx.get(f"{url}/health", timeout=10).json()
+        yield url, {"both": next(iter(health["engine_cores"].values()))}
+
+
+@contextlib.contextmanager
+def _disaggregated(
+    model_dir: str, settings: ServerSettings, work: Path
+) -> Iterator[tuple[str, dict[str, int]]]:
+    """``deepinfer cluster`` with one prefill and one decode worker (one thread each), every prompt
+    through both; yields the router's URL and {role: that worker's core pid}. SIGTERM at the end."""
+    import httpx
+
+    from deepinfer.router.cluster import _die_with_parent, free_port
+
+    port = free_port()
+    cmd = [sys.executable, "-m", "deepinfer.cli", "cluster", "--model", model_dir, "--port", str(port),
+           "--prefill", "1", "--decode", "1", "--worker-threads", "1", "--min-disaggregated-tokens", "0",
+           "--kv-store-path", str(work / "store"), "--worker-kv-cache-gib", str(settings.kv_cache_memory_gib),
+           f"--serve-args={' '.join(settings.args(with_cache=False))}", "--log-level", "warning"]  # fmt: skip
+    log = work / "cluster.log"
+    with open(log, "wb") as out:
+        process = subprocess.Popen(
+            cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=_die_with_parent
         )
-        out[name] = {
-            "trace": asdict(spec),
-            "cost_model": asdict(run["model"]),
-            "load_average_before_after": run["load_average"],
-            "engine_busy_s": {"measured": run["busy_s"], "simulated": simulated["busy_s"]},
-            "measured": _figures(run["real"]),
-            "simulated": _figures(simulated),
-            "errors": errors(run["real"], simulated),
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            if process.poll() is not None:
+                raise RuntimeError(f"the P/D cluster exited:\n{log.read_text()[-2000:]}")
+            with contextlib.suppress(httpx.HTTPError, ValueError):
+                if httpx.get(f"{url}/health", timeout=2).json()["status"] == "ok":
+                    break
+            if time.monotonic() > deadline:
+                raise TimeoutError("the P/D cluster was not healthy in 300 s")
+            time.sleep(0.5)
+        pids = {}
+        for worker_url, status in httpx.get(f"{url}/router/workers", timeout=10).json().items():
+            health = httpx.get(f"{worker_url}/health", timeout=10).json()
+            pids[status["role"]] = next(iter(health["engine_cores"].values()))
+        if sorted(pids) != ["decode", "prefill"]:
+            raise RuntimeError(f"the P/D cluster's workers are {pids}, not one prefill and one decode")
+        yield url, pids
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(process.pid, signal.SIGTERM)
+        try:
+            process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+
+
+# ---------------------------------------------------------------------------------- the step logs
+@dataclass(slots=True)
+class CoreLog:
+    """One engine core's step log, cut to one trace's time window."""
+
+    adds: dict[str, dict]  # core request id -> {"t", "prompt"}
+    steps: list[dict]  # {"t0", "t1", "forward_s", "work", "ids", "first"}
+
+    @classmethod
+    def read(cls, folder: Path, pid: int, start: float, end: float) -> CoreLog:
+        paths = list(folder.glob(f"core-{pid}-*.jsonl"))
+        if len(paths) != 1:
+            raise RuntimeError(f"expected one step log of core {pid} in {folder}, found {paths}")
+        adds, steps = read_step_log(paths[0])
+        adds = {rid: a for rid, a in adds.items() if start - 1e-3 <= a["t"] <= end}
+        return cls(adds, [s for s in steps if s["t0"] >= start - 1e-3 and s["t0"] <= end])
+
+    def in_send_order(self, served: Served) -> list[str]:
+        """The core's ids of the trace's requests, matched to the client's in send order (the core
+        takes them in the order they arrive; each match is checked on the prompt's length)."""
+        ids = sorted(self.adds, key=lambda rid: self.adds[rid]["t"])
+        if len(ids) != len(served.prompts):
+            raise RuntimeError(f"the core took {len(ids)} requests during a trace of {len(served.prompts)}")
+        order = sorted(range(len(served.sends)), key=served.sends.__getitem__)
+        matched = [""] * len(ids)
+        for rid, i in zip(ids, order):
+            if self.adds[rid]["prompt"] != len(served.prompts[i]):
+                raise RuntimeError(f"core request {rid} does not match the client's request {i}")
+            matched[i] = rid
+        return matched
+
+    def first_step_end(self) -> dict[str, float]:
+        """Core request id -> the end of the step that produced its first output token."""
+        out = {}
+        for s in self.steps:
+            for rid in s["first"]:
+                out.setdefault(rid, s["t1"])
+        return out
+
+    def first_step_start(self) -> dict[str, float]:
+        """Core request id -> the start of the first step that computed any of its tokens."""
+        out = {}
+        for s in self.steps:
+            for rid in s["ids"]:
+                out.setdefault(rid, s["t0"])
+        return out
+
+    def idle_at(self, t: float, until: float) -> bool:
+        """Whether no step ran at any time in (t, until): none delayed a request sent at ``t`` and
+        taken at ``until``."""
+        return not any(s["t0"] < until and s["t1"] > t for s in self.steps)
+
+
+def fit_served_steps(log: CoreLog) -> tuple[StepCostModel, StepCostModel, dict]:
+    """The served step's period and the runner's share, fitted to ``log``'s steps (see the module
+    docstring). A step's period runs to the next step's start when the core went straight on (the
+    next step holds a request the core had before this one ended); before an idle spell, to its own
+    end plus the median of those gaps. Returns (period model, runner model, fit summary)."""
+    steps = log.steps
+    if len(steps) < 10:
+        raise RuntimeError(f"only {len(steps)} served steps in the calibration trace; too few to fit")
+    gaps, periods = [], []
+    for k, s in enumerate(steps):
+        nxt = steps[k + 1] if k + 1 < len(steps) else None
+        held = nxt is not None and any(log.adds.get(r, {"t": -1.0})["t"] < s["t1"] for r in nxt["ids"])
+        if held:
+            gaps.append(nxt["t0"] - s["t1"])
+        periods.append(nxt["t0"] - s["t0"] if held else None)
+    gap = statistics.median(gaps) if gaps else 0.0
+    periods = [p if p is not None else s["t1"] - s["t0"] + gap for p, s in zip(periods, steps)]
+    works = [[tuple(w) for w in s["work"]] for s in steps]
+    period = StepCostModel.fit_mean(list(zip(works, periods)), "served step period")
+    runner = StepCostModel.fit_mean([(w, s["forward_s"]) for w, s in zip(works, steps)], "served runner")
+    jitter = tuple(s["forward_s"] / runner.predict(w) for w, s in zip(works, steps))
+    summary = {"steps": len(steps), "median_loop_gap_s": gap, "jitter": jitter,
+               "median_host_s": statistics.median(s["t1"] - s["t0"] - s["forward_s"] for s in steps)}  # fmt: skip
+    return period, runner, summary
+
+
+def step_errors(log: CoreLog, period: StepCostModel, runner: StepCostModel, startup: StepCostModel) -> dict:
+    """How well the models predict ``log``'s own steps: median predicted / measured per step, for
+    decode-only steps and steps with a prompt chunk (the period against ``t0`` to the next ``t0``
+    where the core went straight on)."""
+    out: dict[str, dict] = {}
+    for kind, keep in (("decode_only", lambda w: all(n == 1 for n, _ in w)),
+                       ("with_prompt", lambda w: any(n > 1 for n, _ in w))):  # fmt: skip
+        runner_ratio, startup_ratio, period_ratio = [], [], []
+        for k, s in enumerate(log.steps):
+            work = [tuple(w) for w in s["work"]]
+            if not work or not keep(work):
+                continue
+            runner_ratio.append(runner.predict(work) / s["forward_s"])
+            startup_ratio.append(startup.predict(work) / s["forward_s"])
+            nxt = log.steps[k + 1] if k + 1 < len(log.steps) else None
+            if nxt is not None and any(log.adds.get(r, {"t": -1.0})["t"] < s["t1"] for r in nxt["ids"]):
+                period_ratio.append(period.predict(work) / (nxt["t0"] - s["t0"]))
+        out[kind] = {
+            "steps": len(runner_ratio),
+            "runner_fit_over_measured": _median(runner_ratio),
+            "startup_calibration_over_measured_runner": _median(startup_ratio),
+            "period_fit_over_measured_period": _median(period_ratio),
+            "measured_period_over_runner": _median(
+                [
+                    (log.steps[k + 1]["t0"] - s["t0"]) / s["forward_s"]
+                    for k, s in enumerate(log.steps[:-1])
+                    if s["work"]
+                    and keep([tuple(w) for w in s["work"]])
+                    and any(log.adds.get(r, {"t": -1.0})["t"] < s["t1"] for r in log.steps[k + 1]["ids"])
+                ]
+            ),
         }
     return out
 
 
+def fit_front(served: Served, first: CoreLog, last: CoreLog) -> dict[str, float]:
+    """The front's latency in (client send -> ``first`` core has it, on requests that found that core
+    idle) and out (``last`` core's step end -> the client's first token), medians over the trace."""
+    ids_in = first.in_send_order(served)
+    ins = [first.adds[rid]["t"] - send for rid, send in zip(ids_in, served.sends)
+           if first.idle_at(send, first.adds[rid]["t"])]  # fmt: skip
+    ends = last.first_step_end()
+    ids_out = ids_in if last is first else _decode_ids(served, first, last)
+    outs = [send + r.ttft_s - ends[rid] for rid, send, r in zip(ids_out, served.sends, served.results)
+            if rid in ends and r.ttft_s is not None]  # fmt: skip
+    if not ins or not outs:
+        raise RuntimeError("no request of the calibration trace shows the front's latency")
+    return {"admission_delay_s": statistics.median(ins), "delivery_delay_s": statistics.median(outs),
+            "idle_arrivals": len(ins)}  # fmt: skip
+
+
+def _decode_ids(served: Served, prefill: CoreLog, decode: CoreLog) -> list[str]:
+    """The decode core's ids of the trace's requests in send order: each decode add goes to the
+    earliest prefilled, unmatched request with its prompt length."""
+    prefill_ids = prefill.in_send_order(served)
+    done = prefill.first_step_end()
+    pending = sorted(range(len(prefill_ids)), key=lambda i: done.get(prefill_ids[i], float("inf")))
+    out = [""] * len(prefill_ids)
+    for rid in sorted(decode.adds, key=lambda r: decode.adds[r]["t"]):
+        n = decode.adds[rid]["prompt"]
+        i = next((i for i in pending if len(served.prompts[i]) == n), None)
+        if i is None:
+            raise RuntimeError(f"decode request {rid} ({n} prompt tokens) matches no prefilled request")
+        pending.remove(i)
+        out[i] = rid
+    return out
+
+
+def fit_handoff(served: Served, prefill: CoreLog, decode: CoreLog, block_size: int) -> dict[str, float]:
+    """The KV handoff, prefill step end -> the decode core's first step with the request, as a
+    latency plus a cost per token handed over (the full blocks before the prompt's last token):
+    least squares, both terms kept >= 0."""
+    prefill_ids, decode_ids = prefill.in_send_order(served), _decode_ids(served, prefill, decode)
+    done, started = prefill.first_step_end(), decode.first_step_start()
+    rows, ys = [], []
+    for i, (p, d) in enumerate(zip(prefill_ids, decode_ids)):
+        if p in done and d in started:
+            rows.append([1.0, (len(served.prompts[i]) - 1) // block_size * block_size])
+            ys.append(started[d] - done[p])
+    x, y = np.array(rows), np.array(ys)
+    coef, *_ = np.linalg.lstsq(x, y, rcond=None)
+    if coef[1] < 0:  # no per-token cost seen: a latency alone
+        coef = np.array([float(np.mean(y)), 0.0])
+    return {"latency_s": max(0.0, float(coef[0])), "per_token_s": float(coef[1]), "handoffs": len(ys),
+            "median_s": float(np.median(y))}  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------- the simulated side
+def simulate(
+    served: Served, spec: TraceSpec, pools: list[PoolConfig], front: dict, handoff: dict | None,
+    kv_bytes_per_token: float,
+) -> dict:  # fmt: skip
+    """The simulator's figures for ``served``'s trace (its measured send times as arrivals)."""
+    t0 = served.start
+    arrivals = [
+        Arrival(s - t0, f"r{i}", "code", (Segment(("prompt", i), len(p)),), spec.output_len, tuple(p))
+        for i, (s, p) in enumerate(zip(served.sends, served.prompts))
+    ]
+    arrivals.sort(key=lambda a: a.time)
+    extra = {}
+    if handoff is not None:
+        per_token = handoff["per_token_s"]
+        extra = {"first_token_from": "decode", "kv_transfer_latency_s": handoff["latency_s"],
+                 "kv_bytes_per_token": kv_bytes_per_token,
+                 "kv_transfer_bytes_per_s": kv_bytes_per_token / per_token if per_token > 0 else float("inf")}  # fmt: skip
+    config = ClusterConfig(
+        pools, admission_delay_s=front["admission_delay_s"], delivery_delay_s=front["delivery_delay_s"],
+        router=RouterConfig(min_disaggregated_tokens=0), **extra,
+    )  # fmt: skip
+    sim = Simulation(config)
+    sim.run(arrivals, until=1e6)
+    traces = list(sim.traces.values())
+    if any(t.finished_s is None for t in traces):
+        raise RuntimeError("the simulation left requests unfinished")
+    ttft = [t.first_token_s - t.arrival.time for t in traces]
+    tpot = [(t.token_times[-1] - t.token_times[0]) / (len(t.token_times) - 1) for t in traces]
+    wall = max(t.finished_s for t in traces)
+    out = {f"ttft_{q}": percentile(ttft, int(q[1:])) for q in ("p50", "p90")}
+    out |= {f"tpot_{q}": percentile(tpot, int(q[1:])) for q in ("p50", "p90")}
+    out["output_tokens_per_s"] = sum(len(t.token_times) for t in traces) / wall
+    busy = {role: sum(w.busy_s for w in workers) for role, workers in sim.pools.items()}
+    return {"figures": out, "busy_s": busy}
+
+
+def errors(measured: dict, simulated: dict) -> dict[str, float]:
+    out = {k: simulated[k] / measured[k] - 1 for k in ("ttft_p50", "ttft_p90", "tpot_p50", "tpot_p90")}
+    out["throughput"] = simulated["output_tokens_per_s"] / measured["output_tokens_per_s"] - 1
+    return out
+
+
+# ---------------------------------------------------------------------------------- the run
+def run_validation(
+    model_dir: str, calibration: TraceSpec, validation: TraceSpec, settings: ServerSettings,
+    setups: tuple[str, ...] = SETUPS,
+) -> dict:  # fmt: skip
+    """Both traces through each setup, the fits on the calibration trace, the simulator on both;
+    returns the report (see the module docstring)."""
+    from deepinfer.backends.reference.cache import BLOCK_SIZE
+    from deepinfer.bench.workload import heldout_stream
+    from deepinfer.tokenizer import Tokenizer
+    from deepinfer.worker import calibration as engine_calibration
+
+    for setup in setups:
+        if setup not in SETUPS:
+            raise ValueError(f"setups: {setup!r} is not one of {SETUPS}")
+    model = Path(model_dir).name
+    stream = heldout_stream(Tokenizer(Path(model_dir)))
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    layers = config["num_hidden_layers"] + config.get("num_nextn_predict_layers", 0)  # MTP layers cache too
+    kv_bytes_per_token = (config["kv_lora_rank"] + config["qk_rope_head_dim"]) * 4 * layers
+    num_blocks = int(settings.kv_cache_memory_gib * (1 << 30)) // (BLOCK_SIZE * kv_bytes_per_token)
+    knobs = EngineKnobs(
+        num_blocks=num_blocks, block_size=BLOCK_SIZE, max_num_seqs=settings.max_num_seqs,
+        max_num_batched_tokens=settings.max_num_batched_tokens,
+        step_time_budget_s=settings.step_time_budget_ms / 1e3, max_model_len=1 << 20,
+    )  # fmt: skip
+    traces = {"calibration": calibration, "validation": validation}
+    prompts = {name: build_prompts(stream, spec) for name, spec in traces.items()}
+    work = Path(tempfile.mkdtemp(prefix="deepinfer-simval-"))
+    # A cache folder of its own, so that the servers calibrate their cost model afresh, sharing the
+    # compiled CPU kernels of the usual one (building them takes minutes on a loaded host).
+    (work / "cache").mkdir()
+    kernels = Path(os.path.expanduser(envs.get("DEEPINFER_CACHE_DIR"))) / "cpu_ops"
+    if kernels.is_dir():
+        (work / "cache" / "cpu_ops").symlink_to(kernels)
+    # One engine thread per core (steadier on a shared host); one start-up calibration for all servers.
+    env = {"DEEPINFER_CACHE_DIR": str(work / "cache"), "DEEPINFER_NUM_THREADS": "1",
+           "DEEPINFER_STEP_LOG_DIR": str(work / "steps")}  # fmt: skip
+    out: dict = {"settings": settings.args(), "server_env": {"DEEPINFER_NUM_THREADS": "1"},
+                 "num_blocks": num_blocks}  # fmt: skip
+    try:
+        for setup in setups:
+            started = time.perf_counter()
+            with _environ(env):
+                servers = _aggregated(model_dir, settings) if setup == "aggregated" else _disaggregated(
+                    model_dir, settings, work
+                )  # fmt: skip
+                with servers as (url, pids):
+                    _warm(url, model, stream)
+                    served = {
+                        name: serve_trace(url, model, prompts[name], spec) for name, spec in traces.items()
+                    }
+                startup = StepCostModel.load(
+                    engine_calibration.cache_path("cpu", "cpu", Path(model_dir), "float32")
+                )
+            logs = {name: {role: CoreLog.read(work / "steps", pid, s.start, s.end) for role, pid in pids.items()}
+                    for name, s in served.items()}  # fmt: skip
+            out[setup] = _check_setup(served, logs, traces, startup, knobs, kv_bytes_per_token, BLOCK_SIZE)
+            out[setup]["wall_s"] = time.perf_counter() - started
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return out
+
+
+def _check_setup(
+    served: dict[str, Served], logs: dict[str, dict[str, CoreLog]], traces: dict[str, TraceSpec],
+    startup: StepCostModel, knobs: EngineKnobs, kv_bytes_per_token: float, block_size: int,
+) -> dict:  # fmt: skip
+    """Fit on the calibration trace, simulate both traces, compare."""
+    cal, cal_logs = served["calibration"], logs["calibration"]
+    roles = list(cal_logs)
+    fits = {role: fit_served_steps(cal_logs[role]) for role in roles}
+    first, last = (cal_logs["both"],) * 2 if roles == ["both"] else (cal_logs["prefill"], cal_logs["decode"])
+    front = fit_front(cal, first, last)
+    handoff = (
+        fit_handoff(cal, cal_logs["prefill"], cal_logs["decode"], block_size) if "prefill" in roles else None
+    )
+    pools = [
+        PoolConfig(role, 1, 1, CalibratedCost(startup, p, r, summary.pop("jitter")), knobs)
+        for role, (p, r, summary) in fits.items()
+    ]
+    result: dict = {
+        "startup_cost_model": asdict(startup),
+        "fitted_on_calibration": {
+            "front": front,
+            "handoff": handoff,
+            **{
+                f"{role}_step": {"period": asdict(p), "runner": asdict(r), **summary}
+                for role, (p, r, summary) in fits.items()
+            },
+        },
+    }
+    for name, s in served.items():
+        measured = s.figures()
+        simulated = simulate(s, traces[name], pools, front, handoff, kv_bytes_per_token)
+        busy = {role: sum(st["t1"] - st["t0"] for st in log.steps) for role, log in logs[name].items()}
+        result[name] = {
+            "trace": asdict(traces[name]),
+            "load_average_before_after": s.load_average,
+            "engine_busy_s": {"measured_step_time": busy, "simulated_period": simulated["busy_s"]},
+            "step_model_check": {
+                role: step_errors(logs[name][role], *fits[role][:2], startup) for role in roles
+            },
+            "measured": measured,
+            "simulated": simulated["figures"],
+            "errors": errors(measured, simulated["figures"]),
+        }
+    return result
+
+
 @contextlib.contextmanager
 def _environ(values: dict[str, str]):
-    """Set environment variables for a child process started inside, and restore them after."""
+    """Set environment variables for child processes started inside, and restore them after."""
     saved = {k: os.environ.get(k) for k in values}
     os.environ.update(values)
     try:
@@ -262,19 +584,11 @@ def _environ(values: dict[str, str]):
                 os.environ[k] = v
 
 
+def _median(values: list[float]) -> float | None:
+    return statistics.median(values) if values else None
+
+
 def _figures(result: dict) -> dict:
     figures = {f"{m.removesuffix('_s')}_{q}": result[m][q] for m, q in METRICS}
     figures["output_tokens_per_s"] = result["output_tokens_per_s"]
-    figures["prefix_cache_hit_rate"] = result["prefix_cache_hit_rate"]
     return figures
-
-
-def _prefix_counters(metrics_text: str) -> tuple[float, float]:
-    values = {}
-    for line in metrics_text.splitlines():
-        for name in ("deepinfer_prefix_cache_queries_total", "deepinfer_prefix_cache_hits_total"):
-            if line.startswith(name + " "):
-                values[name] = float(line.split()[1])
-    return values.get("deepinfer_prefix_cache_queries_total", 0.0), values.get(
-        "deepinfer_prefix_cache_hits_total", 0.0
-    )

@@ -6,6 +6,7 @@ a core process that dies with its front, and a clean start method."""
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import signal
 import subprocess
@@ -203,3 +204,33 @@ def test_a_core_process_sleeps_its_idle_openmp_threads_unless_told_otherwise() -
     env = core_environment({"PATH": "/bin"})
     assert env == {"PATH": "/bin", "OMP_WAIT_POLICY": "PASSIVE"}
     assert core_environment({"OMP_WAIT_POLICY": "ACTIVE"})["OMP_WAIT_POLICY"] == "ACTIVE"
+
+
+def test_the_step_log_records_each_steps_composition_and_each_arrival(
+    tiny_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from deepinfer.core.step_log import read_step_log
+
+    monkeypatch.setenv("DEEPINFER_STEP_LOG_DIR", str(tmp_path / "steps"))
+    engine = LLMEngine(EngineConfig(model=str(tiny_model), detokenize=False, **OPTIONS))
+    front = Front()
+    handle = CoreThread(engine, 5, front.address)
+    try:
+        assert isinstance(front.recv(), m.Ready)
+        params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+        sent = time.monotonic()
+        front.send(m.AddRequest("a", list(range(5, 25)), params.model_dump_json()), 5)
+        front.until_finished({"a"})
+    finally:
+        front.send(m.Shutdown(), 5)
+        assert handle.join(30)
+        front.close()
+    (path,) = (tmp_path / "steps").glob(f"core-{os.getpid()}-5.jsonl")
+    adds, steps = read_step_log(path)
+    assert adds["a"]["prompt"] == 20 and adds["a"]["t"] >= sent
+    # The prompt's 20 tokens, then one decode per further output token; the first token in step one.
+    assert [s["work"] for s in steps] == [[[20, 0]], [[1, 20]], [[1, 21]]]
+    assert [s["first"] for s in steps] == [["a"], [], []]
+    assert all(s["ids"] == ["a"] for s in steps)
+    assert all(0 < s["forward_s"] <= s["t1"] - s["t0"] for s in steps)
+    assert all(a["t1"] <= b["t0"] for a, b in itertools.pairwise(steps))

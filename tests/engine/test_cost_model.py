@@ -145,3 +145,27 @@ def test_measured_step_times_correct_the_budget() -> None:
     run_decodes(decodes, 4)
     decodes.observe_step_time(decodes.schedule(), 10.0)
     assert decodes.time_scale == 1.0
+
+
+def test_largest_chunk_after_a_context_whose_read_alone_overruns_the_time_left() -> None:
+    # The context's read-back costs more than the time left: no multi-token chunk fits, a lone token
+    # (absorbed form, no read-back) still does. (This used to take the square root of a negative
+    # number and kill the engine core.)
+    model = StepCostModel(0.014, 3e-5, 1e-6, 1e-9, 4e-5, "calibrated")
+    assert model.largest_chunk(4000, 0.1, limit=2048) == 1
+    assert model.largest_chunk(4000, 1e-6, limit=2048) == 0
+    assert model.largest_chunk(10, 0.1, limit=2048) > 1
+
+
+def test_fit_mean_predicts_the_expected_time_of_noisy_steps() -> None:
+    # The same shapes measured many times with right-skewed noise (a shared host): dividing by the
+    # measured time (fit) comes out below the mean, the reweighted fit does not.
+    import random
+
+    rng = random.Random(0)
+    shapes = [[(n, c)] for n in (16, 256) for c in (0, 1024)] + [[(1, 512)] * b for b in (1, 8, 32)]
+    samples = [(w, MODEL.predict(w) * rng.lognormvariate(0, 0.4)) for w in shapes for _ in range(200)]
+    for w in shapes:
+        mean = sum(t for s, t in samples if s == w) / 200
+        assert StepCostModel.fit_mean(samples, "served").predict(w) == pytest.approx(mean, rel=0.08)
+        assert StepCostModel.fit(samples).predict(w) < 0.92 * mean

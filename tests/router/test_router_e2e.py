@@ -200,3 +200,65 @@ def test_a_router_for_another_model_refuses_the_workers(cluster: Cluster, tmp_pa
         f"--decode {decode}: the worker serves another model or tokenizer than the router's --model"
         in done.stderr
     )
+
+
+def test_a_full_prefill_queue_answers_429_and_the_rest_complete(cluster: Cluster, tmp_path: Path) -> None:
+    """Late binding: with a horizon no busy worker is under, a second long prompt waits in the router
+    while the first is computed, and those beyond the queue's limit get 429 with Retry-After."""
+    import contextlib
+    import os
+    import random
+    import signal
+    import subprocess
+    import sys
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    from deepinfer.router.cluster import free_port
+
+    both, decode = cluster.workers_of("both")[0], cluster.workers_of("decode")[0]
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    cmd = [sys.executable, "-m", "deepinfer.cli", "router", "--both", both, "--decode", decode, "--port",
+           str(port), "--prefill-queue-limit", "1", "--prefill-horizon-s", "1e-6", "--min-disaggregated-tokens",
+           "0", "--log-level", "warning"]  # fmt: skip
+    with open(tmp_path / "router.log", "wb") as log:
+        router = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert router.poll() is None, (tmp_path / "router.log").read_text()
+            with contextlib.suppress(httpx.HTTPError, ValueError):
+                if httpx.get(f"{url}/health", timeout=2).json()["status"] == "ok":
+                    break
+            assert time.monotonic() < deadline, "the router did not start"
+            time.sleep(0.2)
+        rng = random.Random(0)
+
+        def post(_: int) -> httpx.Response:
+            prompt = [rng.randrange(100, 1000) for _ in range(1200)]
+            body = {"model": MODEL, "prompt": prompt, "max_tokens": 2, "temperature": 0}
+            return httpx.post(f"{url}/v1/completions", json=body, timeout=120)
+
+        with ThreadPoolExecutor(6) as pool:
+            answers = list(pool.map(post, range(6)))
+        rejected = [r for r in answers if r.status_code == 429]
+        assert rejected and all(r.status_code in (200, 429) for r in answers), [r.text for r in answers]
+        assert sum(r.status_code == 200 for r in answers) >= 2  # the first, and the one that waited
+        assert rejected[0].headers["retry-after"] == "1"
+        assert rejected[0].json()["error"]["type"] == "rate_limit_error"
+        assert "prefill worker" in rejected[0].json()["error"]["message"]
+        metrics = dict(
+            line.rsplit(" ", 1) for line in httpx.get(f"{url}/metrics", timeout=5).text.splitlines()
+            if line and not line.startswith("#")
+        )  # fmt: skip
+        assert float(metrics['deepinfer_router_failures_total{kind="queue_full"}']) == len(rejected)
+        assert float(metrics["deepinfer_router_prefill_queue_depth"]) == 0  # the waiting one left
+        assert float(metrics["deepinfer_router_prefill_queued_total"]) >= 1  # 429 only once one waits
+    finally:
+        os.killpg(router.pid, signal.SIGTERM)
+        try:
+            router.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.killpg(router.pid, signal.SIGKILL)
+            router.wait()

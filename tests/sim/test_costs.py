@@ -71,8 +71,14 @@ def test_the_scheduler_gets_a_model_fitted_to_the_roofline() -> None:
         assert model.predict(work) == pytest.approx(cost.step_seconds([work]), rel=0.5)
 
 
-def test_calibrated_cost_is_the_engines_model() -> None:
+def test_calibrated_cost_keeps_the_schedulers_model_apart_from_the_served_step() -> None:
     model = StepCostModel(1e-3, 1e-4, 1e-5, 1e-8, 1e-7, "calibrated")
-    cost = CalibratedCost(model, scale=1.5)
+    step = StepCostModel(3e-3, 2e-4, 1e-5, 1e-8, 1e-7, "served steps")
+    runner = StepCostModel(2e-3, 1e-4, 1e-5, 1e-8, 1e-7, "served steps")
+    cost = CalibratedCost(model, step, runner)
+    work = [(100, 0), (1, 500)]
     assert cost.scheduler_model() is model
-    assert cost.step_seconds([[(100, 0)]]) == pytest.approx(1.5 * model.predict([(100, 0)]))
+    assert cost.step_seconds([work]) == pytest.approx(step.predict(work))
+    assert cost.runner_seconds([work]) == pytest.approx(runner.predict(work))
+    alone = CalibratedCost(model)  # the start-up calibration stands for all three
+    assert alone.step_seconds([work]) == alone.runner_seconds([work]) == pytest.approx(model.predict(work))

@@ -17,15 +17,18 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.mark.bench
 def test_simulator_matches_the_engine_within_15_percent() -> None:
+    """The held-out trace through one aggregated server and through 1 prefill + 1 decode worker
+    behind the router, against the simulator fitted on the calibration trace's served steps."""
     from deepinfer.model_zoo import default_model_path
     from deepinfer.sim.validation import ServerSettings, TraceSpec, run_validation
 
-    common = {"num_requests": 80, "request_rate": 1.0, "output_len": 64}
+    common = {"num_requests": 64, "request_rate": 1.0, "output_len": 64}
     result = run_validation(
         str(default_model_path()), TraceSpec(seed=1, **common), TraceSpec(seed=2, **common), ServerSettings()
     )
-    errors = result["validation"]["errors"]
-    assert all(abs(e) < 0.15 for e in errors.values()), errors
+    for setup in ("aggregated", "disaggregated"):
+        errors = result[setup]["validation"]["errors"]
+        assert all(abs(e) < 0.15 for e in errors.values()), (setup, errors)
 
 
 @pytest.mark.bench

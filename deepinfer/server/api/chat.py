@@ -36,7 +36,7 @@ from deepinfer.server.errors import ApiError, Dialect
 from deepinfer.server.generation import ChatRun, ChoiceUpdate, Finish, FinishReason, Usage
 from deepinfer.server.protocol import chat as p
 from deepinfer.server.protocol.common import OpenAIUsage
-from deepinfer.server.sse import sse
+from deepinfer.server.sse import EventTemplate, sse
 
 router = APIRouter()
 
@@ -162,12 +162,26 @@ class ChatRenderer:
         self.include_usage = include_usage
         # per choice: tool-call block index -> (call index, call id)
         self._tool_calls: list[dict[int, tuple[int, str]]] = [{} for _ in range(n)]
+        self._text_chunks: dict[tuple[int, str], EventTemplate] = {}  # (choice, delta field) -> chunk
 
-    def _chunk(self, choices: list[p.ChunkChoice], usage: OpenAIUsage | None = None) -> str:
+    def _chunk_data(self, choices: list[p.ChunkChoice], usage: OpenAIUsage | None = None) -> dict[str, Any]:
         chunk = p.ChatCompletionChunk(
             id=self.id, created=self.created, model=self.model, choices=choices, usage=usage
         )
-        return sse(chunk.model_dump(mode="json", exclude_none=True))
+        return chunk.model_dump(mode="json", exclude_none=True)
+
+    def _chunk(self, choices: list[p.ChunkChoice], usage: OpenAIUsage | None = None) -> str:
+        return sse(self._chunk_data(choices, usage))
+
+    def _text_chunk(self, index: int, field: str, text: str) -> str:
+        """The chunk of choice ``index``'s new ``content`` or ``reasoning_content`` alone (the one a
+        stream sends per token): rendered from a template made once per choice and field."""
+        template = self._text_chunks.get((index, field))
+        if template is None:
+            template = self._text_chunks[index, field] = EventTemplate(
+                lambda t: self._chunk_data([p.ChunkChoice(index=index, delta=p.Delta(**{field: t}))])
+            )
+        return template.render(text)
 
     def _call(self, choice: int, block: int) -> tuple[int, str]:
         calls = self._tool_calls[choice]
@@ -180,7 +194,7 @@ class ChatRenderer:
         return [self._chunk(role)]
 
     def update(self, update: ChoiceUpdate) -> list[str]:
-        deltas: list[p.Delta] = []
+        deltas: list[p.Delta | tuple[str, str]] = []  # a plain text delta as (field, text)
         for event in update.events:
             kind = self.run.messages[update.index].blocks[event.index].kind
             if isinstance(event, BlockStart) and kind == "tool_call":
@@ -198,11 +212,7 @@ class ChatRenderer:
                 function = p.FunctionCallDelta(arguments=event.text)
                 deltas.append(p.Delta(tool_calls=[p.ToolCallDelta(index=call, function=function)]))
             elif isinstance(event, BlockDelta):
-                deltas.append(
-                    p.Delta(reasoning_content=event.text)
-                    if kind == "reasoning"
-                    else p.Delta(content=event.text)
-                )
+                deltas.append(("reasoning_content" if kind == "reasoning" else "content", event.text))
         logprobs = None
         if self.top_logprobs is not None and update.logprobs:
             logprobs = p.ChoiceLogprobs(
@@ -210,12 +220,21 @@ class ChatRenderer:
             )
         if not deltas and (logprobs is not None or update.finish is not None):
             deltas.append(p.Delta())
-        choices = [p.ChunkChoice(index=update.index, delta=d) for d in deltas]
-        if choices:
-            choices[0].logprobs = logprobs
-            if update.finish is not None:
-                choices[-1].finish_reason = openai_finish_reason(update.finish)
-        return [self._chunk([c]) for c in choices]
+        chunks = []
+        for k, delta in enumerate(deltas):  # the first chunk has the logprobs, the last the finish
+            first_logprobs = logprobs if k == 0 else None
+            finish = update.finish if k == len(deltas) - 1 else None
+            if isinstance(delta, tuple) and first_logprobs is None and finish is None:
+                chunks.append(self._text_chunk(update.index, *delta))
+                continue
+            if isinstance(delta, tuple):
+                delta = p.Delta(**{delta[0]: delta[1]})
+            reason = openai_finish_reason(finish) if finish is not None else None
+            choice = p.ChunkChoice(
+                index=update.index, delta=delta, logprobs=first_logprobs, finish_reason=reason
+            )
+            chunks.append(self._chunk([choice]))
+        return chunks
 
     def end(self, usage: Usage) -> list[str]:
         events = [self._chunk([], openai_usage(usage))] if self.include_usage else []

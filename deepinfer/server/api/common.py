@@ -41,8 +41,9 @@ TOOL_CALL_MARKERS = {
 logger = get_logger(__name__)
 
 
-def serving_context(request: Request) -> ServingContext:
-    """FastAPI dependency: the context of the app serving this request."""
+async def serving_context(request: Request) -> ServingContext:
+    """FastAPI dependency: the context of the app serving this request (``async``, so FastAPI
+    runs it on the event loop, not in its thread pool)."""
     return request.app.state.serving
 
 

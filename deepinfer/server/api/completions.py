@@ -16,7 +16,7 @@ from deepinfer.server.context import ApiFields, ServingContext, traffic_class
 from deepinfer.server.errors import ApiError, Dialect
 from deepinfer.server.generation import ChoiceUpdate, FinishReason, RunGroup, TextRun, Usage, total_usage
 from deepinfer.server.protocol import completions as p
-from deepinfer.server.sse import sse
+from deepinfer.server.sse import EventTemplate, sse
 from deepinfer.tokenizer import Tokenizer
 
 router = APIRouter()
@@ -56,12 +56,13 @@ async def tokenize_prompts(ctx: ServingContext, prompt: p.Prompt) -> list[list[i
         for i, text in enumerate(prompt):
             ctx.check_text_length(len(text), f"prompt[{i}]" if len(prompt) > 1 else "prompt")
         return await asyncio.to_thread(_encode_texts, ctx.tokenizer, list(prompt))
+    vocab_size = ctx.vocab_size
     for i, ids in enumerate(prompt):
-        bad = [t for t in ids if t >= ctx.vocab_size]
+        bad = [t for t in ids if t >= vocab_size]
         if bad:
             raise ApiError(
                 400,
-                f"prompt[{i}]: token ids {bad[:5]} are outside the vocabulary [0, {ctx.vocab_size})",
+                f"prompt[{i}]: token ids {bad[:5]} are outside the vocabulary [0, {vocab_size})",
                 param="prompt",
             )
     return [list(ids) for ids in prompt]
@@ -120,8 +121,9 @@ class CompletionRenderer:
         self.echo = echo
         self.include_usage = include_usage
         self._offsets = [len(echo[i // n]) if echo else 0 for i in range(len(runs) * n)]
+        self._text_chunks: dict[int, EventTemplate] = {}  # choice index -> its plain text chunk
 
-    def _chunk(self, choices: list[p.CompletionChoice], usage: Usage | None = None) -> str:
+    def _chunk_data(self, choices: list[p.CompletionChoice], usage: Usage | None = None) -> dict[str, Any]:
         body = p.Completion(
             id=self.id,
             created=self.created,
@@ -129,7 +131,20 @@ class CompletionRenderer:
             choices=choices,
             usage=openai_usage(usage) if usage is not None else None,
         )
-        return sse(body.model_dump(mode="json", exclude_none=True))
+        return body.model_dump(mode="json", exclude_none=True)
+
+    def _chunk(self, choices: list[p.CompletionChoice], usage: Usage | None = None) -> str:
+        return sse(self._chunk_data(choices, usage))
+
+    def _text_chunk(self, index: int, text: str) -> str:
+        """The chunk of choice ``index``'s new text (no log-probabilities, not finished), the one a
+        stream sends per token: rendered from a template made once per choice."""
+        template = self._text_chunks.get(index)
+        if template is None:
+            template = self._text_chunks[index] = EventTemplate(
+                lambda t: self._chunk_data([p.CompletionChoice(index=index, text=t, finish_reason=None)])
+            )
+        return template.render(text)
 
     @staticmethod
     def _finish_reason(reason: FinishReason) -> str:
@@ -152,8 +167,8 @@ class CompletionRenderer:
                 update.token_ids, update.logprobs, self.logprobs, self._offsets[update.index]
             )
         self._offsets[update.index] += len(text)
-        if not text and logprobs is None and update.finish is None:
-            return []
+        if logprobs is None and update.finish is None:
+            return [self._text_chunk(update.index, text)] if text else []
         reason = self._finish_reason(update.finish.reason) if update.finish else None
         choice = p.CompletionChoice(index=update.index, text=text, logprobs=logprobs, finish_reason=reason)
         return [self._chunk([choice])]

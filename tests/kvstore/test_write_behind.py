@@ -1,0 +1,145 @@
+"""The write-behind path: a bounded backlog that drops (and counts) saves instead of blocking, a
+failed batch that does not stop the writer, and a batch made durable before any of its names appear."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from deepinfer.kvstore import file_tier
+from deepinfer.kvstore.file_tier import FileTier
+from deepinfer.kvstore.keys import StoreNamespace, store_key
+from deepinfer.kvstore.metrics import TierCounters
+from deepinfer.kvstore.retention import DEFAULT_TTLS, RetentionPolicy
+from deepinfer.kvstore.store import DirSpec, KVStore
+
+NS = StoreNamespace("weights", "tok", "layout", 16, "float32", (0,), "full")
+POLICY = RetentionPolicy(dict(DEFAULT_TTLS), "chat")
+
+
+def keys(n: int) -> list[bytes]:
+    return [store_key(NS.digest(), bytes([i]) * 16) for i in range(n)]
+
+
+def commit(store: KVStore, key: bytes, fill: int) -> None:
+    slot = store.reserve()
+    assert slot is not None
+    store.slot(slot).fill_(fill)
+    store.commit(key, slot, "chat")
+
+
+def test_a_full_backlog_drops_saves_to_host_only_and_counts_them(tmp_path: Path) -> None:
+    store = KVStore(NS, 256, 64, POLICY, disk=DirSpec(tmp_path, 1 << 20), max_pending_writes=4)
+    gate = threading.Event()
+    write_batch = store.files[0].write_batch
+
+    def stalled(items, now):  # a disk that does not keep up
+        assert gate.wait(30)
+        write_batch(items, now)
+
+    store.files[0].write_batch = stalled
+    ks = keys(11)
+    t0 = time.perf_counter()
+    for i, key in enumerate(ks):
+        commit(store, key, i)
+    assert time.perf_counter() - t0 < 5  # the engine never waited for the stalled writer
+    assert store.snapshot()["writes_dropped"] == 7
+    assert store.lookup(ks) == 11  # every block is still served from host memory
+    gate.set()
+    assert store.flush(30)
+    assert store.host.leases == {}  # the dropped saves' slots were released, not leaked
+    store.close()
+    disk = FileTier(
+        "disk", tmp_path, NS.digest(), NS.describe(), 1 << 20, False, POLICY, TierCounters(), time.time
+    )
+    assert [disk.read(k, time.time()) is not None for k in ks] == [True] * 4 + [False] * 7
+    assert bytes(disk.read(ks[3], time.time())) == bytes([3]) * 256
+
+
+def test_max_pending_writes_must_be_positive(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="max_pending_writes"):
+        KVStore(NS, 256, 4, POLICY, disk=DirSpec(tmp_path, 1 << 20), max_pending_writes=0)
+
+
+def tier(root: Path) -> FileTier:
+    return FileTier(
+        "disk", root, NS.digest(), NS.describe(), 1 << 30, False, POLICY, TierCounters(), time.time
+    )
+
+
+@pytest.mark.skipif(file_tier._syncfs is None, reason="syncfs is Linux's")
+def test_a_local_batch_is_synced_twice_not_per_file_and_fails_with_no_name_visible(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls = []
+    real = file_tier._syncfs
+    t = tier(tmp_path)
+    monkeypatch.setattr(file_tier, "_syncfs", lambda fd: (calls.append(fd), real(fd)))
+    monkeypatch.setattr(file_tier.os, "fsync", lambda fd: pytest.fail("a local batch fsynced one file"))
+    ks = keys(20)
+    t.write_batch([(k, bytes([i]) * 5000, "chat") for i, k in enumerate(ks)], time.time())
+    assert len(calls) == 2  # the temporaries, then the directories
+    assert t.counters.writes == 20
+    assert all(bytes(t.read(k, time.time())) == bytes([i]) * 5000 for i, k in enumerate(ks))
+    assert not list(tmp_path.rglob(".tmp.*"))
+
+    # A failure while staging a batch: nothing of it gets a name, no temporary file is left.
+    write_tmp = file_tier._write_tmp
+    staged = []
+
+    def failing(tmp, *args, **kwargs):
+        if len(staged) == 3:
+            raise OSError(28, "No space left on device")
+        staged.append(tmp)
+        write_tmp(tmp, *args, **kwargs)
+
+    monkeypatch.setattr(file_tier, "_write_tmp", failing)
+    more = [store_key(NS.digest(), bytes([100 + i]) * 16) for i in range(6)]
+    with pytest.raises(OSError, match="No space"):
+        t.write_batch([(k, b"y" * 5000, "chat") for k in more], time.time())
+    assert len(staged) == 3
+    assert not any(t.path(k).exists() for k in more) and all(k not in t.index for k in more)
+    assert not list(tmp_path.rglob(".tmp.*"))
+    assert tier(tmp_path).index.keys() == set(ks)  # a restart sees exactly the committed batch
+
+
+def test_a_shared_tier_fsyncs_each_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    synced = []
+    real = os.fsync
+    monkeypatch.setattr(file_tier.os, "fsync", lambda fd: (synced.append(fd), real(fd)))
+    monkeypatch.setattr(file_tier, "_syncfs", lambda fd: pytest.fail("syncfs on a shared tier"))
+    t = FileTier(
+        "shared", tmp_path, NS.digest(), NS.describe(), 1 << 30, True, POLICY, TierCounters(), time.time
+    )
+    synced.clear()  # the namespace description written at creation
+    t.write_batch([(k, b"z" * 3000, "chat") for k in keys(5)], time.time())
+    assert len(synced) >= 5 + 1  # every file, and the directories
+    assert t.counters.writes == 5
+
+
+def test_a_failed_batch_is_logged_and_the_writer_keeps_writing(tmp_path: Path, caplog) -> None:
+    store = KVStore(NS, 256, 16, POLICY, disk=DirSpec(tmp_path, 1 << 20))
+    write_batch = store.files[0].write_batch
+    failures = []
+
+    def once_full(items, now):
+        if not failures:
+            failures.append(len(items))
+            raise OSError(28, "No space left on device")
+        write_batch(items, now)
+
+    store.files[0].write_batch = once_full
+    ks = keys(2)
+    commit(store, ks[0], 1)
+    assert store.flush(30)
+    commit(store, ks[1], 2)
+    assert store.flush(30)  # the writer survived the failure
+    assert failures == [1] and "writing 1 blocks behind failed" in caplog.text
+    assert store.host.leases == {}
+    store.close()
+    disk = tier(tmp_path)
+    assert disk.read(ks[0], time.time()) is None and bytes(disk.read(ks[1], time.time())) == bytes([2]) * 256

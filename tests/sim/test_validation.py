@@ -1,0 +1,77 @@
+"""The validation's fits, on synthetic step logs whose true costs are known (the real runs against a
+served engine are in test_slow.py), and the simulator's handoff as our router makes it."""
+
+import pytest
+
+from deepinfer.bench.serve import RequestResult
+from deepinfer.engine.cost_model import StepCostModel
+from deepinfer.router.config import RouterConfig
+from deepinfer.sim.cluster import ClusterConfig, EngineKnobs, PoolConfig, Simulation
+from deepinfer.sim.costs import CalibratedCost
+from deepinfer.sim.validation import CoreLog, Served, fit_front, fit_served_steps
+from deepinfer.sim.workload import Arrival, Segment
+
+TRUE = StepCostModel(5e-3, 4e-4, 6e-5, 2e-8, 3e-6, "truth")
+GAP_S = 2e-3  # the core loop between two steps
+
+
+def synthetic_log() -> tuple[CoreLog, Served]:
+    """Four requests, each arriving to an idle core: a 200-token prompt, then 9 decodes, then idle.
+    The runner takes TRUE's time, the step 0.5 ms more, the loop GAP_S; the front takes 10 ms in
+    and 5 ms out."""
+    adds, steps, sends, results, t = {}, [], [], [], 0.0
+    for i in range(4):
+        rid, send = f"c{i}", t
+        adds[rid] = {"t": send + 0.010, "prompt": 200}
+        t = send + 0.010
+        first_end = None
+        for k in range(10):
+            work = [(200, 0)] if k == 0 else [(1, 200 + k - 1)]
+            forward = TRUE.predict(work)
+            t1 = t + forward + 5e-4
+            steps.append({"t0": t, "t1": t1, "forward_s": forward, "work": work, "ids": [rid],
+                          "first": [rid] if k == 0 else []})  # fmt: skip
+            first_end = first_end or t1
+            t = t1 + GAP_S
+        ttft = first_end + 0.005 - send
+        sends.append(send)
+        results.append(RequestResult(ttft_s=ttft, token_times=[ttft], end_s=t - send))
+        t += 1.0  # idle until the next one
+    return CoreLog(adds, steps), Served([[0] * 200] * 4, sends, results, ((0.0,), (0.0,)))
+
+
+def test_the_served_step_fits_recover_the_true_costs() -> None:
+    log, _ = synthetic_log()
+    period, runner, summary = fit_served_steps(log)
+    assert summary["median_loop_gap_s"] == pytest.approx(GAP_S)
+    for work in ([(200, 0)], [(1, 205)]):
+        assert runner.predict(work) == pytest.approx(TRUE.predict(work), rel=0.02)
+        assert period.predict(work) == pytest.approx(TRUE.predict(work) + 5e-4 + GAP_S, rel=0.02)
+
+
+def test_the_front_latency_is_measured_in_and_out() -> None:
+    log, served = synthetic_log()
+    front = fit_front(served, log, log)
+    assert front["admission_delay_s"] == pytest.approx(0.010)
+    assert front["delivery_delay_s"] == pytest.approx(0.005)
+    assert front["idle_arrivals"] == 4
+
+
+def test_the_simulated_handoff_follows_our_router() -> None:
+    # first_token_from="decode": the prefill hop's token is not the client's; the decode rank gets
+    # the prompt's full blocks before its last token, computes the rest, samples every output token.
+    cost = CalibratedCost(StepCostModel(2e-3, 1e-4, 3e-5, 1e-8, 1e-6, "test"))
+    knobs = EngineKnobs(num_blocks=1000, block_size=16)
+    config = ClusterConfig(
+        [PoolConfig("prefill", 1, 1, cost, knobs), PoolConfig("decode", 1, 1, cost, knobs)],
+        router=RouterConfig(min_disaggregated_tokens=0), first_token_from="decode",
+        kv_transfer_latency_s=0.25, kv_transfer_bytes_per_s=float("inf"),
+    )  # fmt: skip
+    sim = Simulation(config)
+    sim.run([Arrival(0.0, "r", "code", (Segment(("p",), 100),), 8)], until=100)
+    trace = sim.traces["r"]
+    (prefill,) = sim.pools["prefill"][0].ranks
+    (decode,) = sim.pools["decode"][0].ranks
+    assert prefill.tokens_done == 100
+    assert decode.tokens_done == (100 - 96) + 7  # the tail after 6 full blocks, then 7 decodes
+    assert len(trace.token_times) == 8 and trace.first_token_s > 0.25
