@@ -14,7 +14,9 @@ Deterministic mode (``activate(platform, deterministic=True)``): every op must t
 or a query token of a request) the same bits whatever else is in its batch. Each backend says, per op,
 how: ``@OPS.implement_invariant(how)`` registers a separate batch-invariant formulation used only in
 this mode; ``declare_invariant(names, how)`` states that the default implementation already is one;
-``declare_variant(names, why)`` states that it is not. In deterministic mode an op that is not
+``declare_variant(names, why)`` states that it is not. A backend that runs the reference
+implementation of an op (``use_reference_for``) may still register its own invariant formulation of
+it, which deterministic mode then runs. In deterministic mode an op that is not
 invariant (or was never declared) runs the reference backend's invariant formulation instead, and the
 routing is logged; an op that reads the backend's own KV-cache layout cannot be routed so, and
 activation fails naming it. The conformance suite checks every declaration.
@@ -98,6 +100,7 @@ class OpTable:
         self._impls: dict[str, Callable[..., Any]] = {}
         self._fallbacks: dict[str, str] = {}
         self._invariant_impls: dict[str, Callable[..., Any]] = {}
+        self._own_invariant: set[str] = set()  # invariant formulations this backend registered itself
         self._invariance: dict[str, tuple[bool, str]] = {}  # name -> (default is invariant, why)
         self._runtime_fallbacks: dict[str, str] = {}  # see fallback_at_runtime
         self._final = False
@@ -142,6 +145,7 @@ class OpTable:
             if name in self._invariance:
                 raise DuplicateOpError(f"{self.backend}: op {name!r} already declared")
             self._invariant_impls[name] = fn
+            self._own_invariant.add(name)
             self._invariance[name] = (False, how)
             return fn
 
@@ -200,9 +204,12 @@ class OpTable:
             reference = load_backend(REFERENCE_BACKEND)
             for name in fallback_names:
                 self._impls[name] = reference._impls[name]
-                if name in reference._invariant_impls:
+                if name in self._own_invariant:
+                    pass  # the backend's own invariant formulation of an op it otherwise borrows
+                elif name in reference._invariant_impls:
                     self._invariant_impls[name] = reference._invariant_impls[name]
-                if name in reference._invariance:
+                    self._invariance[name] = reference._invariance[name]
+                elif name in reference._invariance:
                     self._invariance[name] = reference._invariance[name]
                 logger.warning(
                     "backend %s: op %s runs the reference implementation (%s)",
@@ -221,7 +228,9 @@ class OpTable:
         routes: dict[str, Invariance] = {}
         for name in sorted(self._impls):
             default_ok, note = self._invariance.get(name, (False, "not declared"))
-            if name in self._fallbacks and self.backend != REFERENCE_BACKEND:
+            if name in self._own_invariant:
+                routes[name] = Invariance(name, "invariant", note)
+            elif name in self._fallbacks and self.backend != REFERENCE_BACKEND:
                 routes[name] = Invariance(name, "reference", f"the reference implementation runs; {note}")
             elif name in self._invariant_impls:
                 routes[name] = Invariance(name, "invariant", note)

@@ -37,7 +37,7 @@ from torch import Tensor
 
 ROW_TILE = 16  # rows per matrix product
 KV_SPLIT = 64  # keys per attention split
-QUERY_BLOCK = int(__import__("os").environ.get("QB", "256"))  # rows of one long request per attention product
+QUERY_BLOCK = 256  # rows of one long request per attention product
 
 
 LANE_QUANTUM = 64  # a multiple of every vector loop step (AVX2/AVX-512, float32 and 16-bit types)

@@ -18,11 +18,12 @@ import pytest
 import torch
 
 from deepinfer.backends.cpu import attention as fast_attention
+from deepinfer.backends.cpu import deterministic as fast_deterministic
 from deepinfer.backends.cpu import moe as fast_moe
 from deepinfer.backends.cpu import norm as fast_norm
 from deepinfer.backends.cpu.backend import OPS as FAST
 from deepinfer.backends.registry import OpTable, interface_ops, load_backend
-from deepinfer.backends.testing import checks
+from deepinfer.backends.testing import checks, invariance
 from deepinfer.backends.testing.harness import SMALL_MLA, SMALL_MOE, V3_MLA, MLAShape, max_row_error
 from tests.conftest import REPO_ROOT
 
@@ -75,7 +76,9 @@ def _paged(shape: MLAShape, dtype: torch.dtype, seq_lens: list[int], gen: torch.
     ],
     ids=["decode", "verify-window", "long", "long-window", "v3"],
 )
-def test_mla_decode_rows(dtype, shape, seq_lens, query_lens, window) -> None:
+@pytest.mark.parametrize("formulation", ["default", "deterministic"])
+def test_mla_decode_rows(formulation, dtype, shape, seq_lens, query_lens, window) -> None:
+    """The default kernel and deterministic mode's batch-invariant one, against the reference."""
     gen = torch.Generator().manual_seed(sum(seq_lens) + len(query_lens))
     batch, (ref_cache, ref_table) = _paged(shape, dtype, seq_lens, gen)
     tokens = sum(query_lens)
@@ -84,8 +87,11 @@ def test_mla_decode_rows(dtype, shape, seq_lens, query_lens, window) -> None:
     qsl = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32)
     lens = torch.tensor(seq_lens, dtype=torch.int32)
     scale = (shape.nope + shape.rope) ** -0.5
-    out = FAST.mla_decode(q_nope.to(dtype), q_pe.to(dtype), batch.cache, batch.block_table, lens, qsl,
-                          max(query_lens), scale, window)  # fmt: skip
+    kernel = (FAST.default_implementation if formulation == "default" else FAST.deterministic_implementation)(
+        "mla_decode"
+    )
+    out = kernel(q_nope.to(dtype), q_pe.to(dtype), batch.cache, batch.block_table, lens, qsl,
+                 max(query_lens), scale, window)  # fmt: skip
     ref = REF.mla_decode(q_nope.to(dtype).float(), q_pe.to(dtype).float(), ref_cache, ref_table, lens, qsl,
                          max(query_lens), scale, window)  # fmt: skip
     assert out.dtype == dtype
@@ -224,6 +230,63 @@ def test_fast_norm_with_an_unwritten_row_fails() -> None:
 
     with pytest.raises(AssertionError, match="non-finite"):
         checks.check_rms_norm(fast_with(rms_norm), CPU, torch.float32, 64, "unwritten")
+
+
+def fast_deterministic_with(fn: Callable) -> OpTable:
+    """The fast backend as deterministic mode runs it, with the invariant formulation of one op replaced
+    by ``fn`` (named like the op it replaces)."""
+    table = OpTable(f"broken-fast-deterministic-{fn.__name__}")
+    for name in sorted(interface_ops()):
+        table.implement(FAST.default_implementation(name))
+        table.implement_invariant("as the fast backend")(
+            fn if name == fn.__name__ else FAST.deterministic_implementation(name)
+        )
+    return table.finalize()
+
+
+def test_the_fast_deterministic_ops_pass_the_invariance_checks_unbroken() -> None:
+    table = fast_deterministic_with(FAST.deterministic_implementation("mla_decode"))
+    invariance.check_attention(table, CPU, torch.float32, SMALL_MLA, 24, "ok-det")
+    invariance.check_moe(table, CPU, torch.float32, SMALL_MOE, "ok-det")
+
+
+def test_the_batch_split_decode_kernel_as_deterministic_attention_is_caught() -> None:
+    """The default kernel cuts the KV by the batch's total length: not invariant, and the check says so."""
+    with pytest.raises(AssertionError, match="mla_decode: not batch-invariant"):
+        invariance.check_attention(
+            fast_deterministic_with(fast_attention.mla_decode), CPU, torch.float32, SMALL_MLA, None, "split"
+        )
+
+
+def test_deterministic_attention_that_ignores_the_window_is_caught() -> None:
+    def mla_decode(q_nope, q_pe, kv_cache, block_table, seq_lens, query_start_loc, max_query_len, scale,
+                   sliding_window=None):  # fmt: skip
+        return fast_deterministic.mla_decode(q_nope, q_pe, kv_cache, block_table, seq_lens, query_start_loc,
+                                             max_query_len, scale, None)  # fmt: skip
+
+    with pytest.raises(AssertionError, match=r"mla_decode\(deterministic\)"):
+        invariance.check_attention(
+            fast_deterministic_with(mla_decode), CPU, torch.float32, SMALL_MLA, 24, "w"
+        )
+
+
+def test_the_unpadded_grouped_moe_as_deterministic_moe_is_caught() -> None:
+    """torch's grouped product over unpadded expert groups: a needle alone is a 1-row product there."""
+    with pytest.raises(AssertionError, match="not batch-invariant"):
+        invariance.check_moe(
+            fast_deterministic_with(fast_moe.fused_moe), CPU, torch.float32, SMALL_MOE, "grp"
+        )
+
+
+def test_deterministic_mode_runs_the_fast_backends_own_invariant_formulations() -> None:
+    routes = FAST.invariance()
+    for name in ("mla_decode", "silu_and_mul", "fused_moe", "grouped_gemm"):
+        assert routes[name].formulation == "invariant", routes[name]
+    for name in ("rms_norm", "add_rms_norm", "rope"):
+        assert routes[name].formulation == "default", routes[name]
+    # silu_and_mul's default is the reference's (a fallback), its deterministic formulation the backend's own
+    assert FAST.default_implementation("silu_and_mul") is REF.default_implementation("silu_and_mul")
+    assert FAST.deterministic_implementation("silu_and_mul") is fast_deterministic.silu_and_mul
 
 
 # ----------------------------------------------------------------------------- platform selection

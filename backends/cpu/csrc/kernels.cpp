@@ -11,6 +11,10 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#ifdef __AVX2__
+#include <immintrin.h>
+#endif
+
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -58,10 +62,20 @@ inline float fast_exp(float x) {
   return x < -87.3f ? 0.f : p * scale;
 }
 
+// a . b in an order fixed by n alone: element i goes to lane i % 16 (each lane summed in index order),
+// then the 16 lanes are added in order. Never reassociated by the compiler (no fast-math, no reduction
+// clause), so the bits do not depend on the pointers' alignment or on which thread runs it.
 inline float dot(const float* a, const float* b, int64_t n) {
+  constexpr int64_t kLanes = 16;
+  float lane[kLanes] = {};
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) {
+#pragma omp simd
+    for (int64_t j = 0; j < kLanes; ++j) lane[j] += a[i + j] * b[i + j];
+  }
+  for (int64_t j = 0; i + j < n; ++j) lane[j] += a[i + j] * b[i + j];
   float s = 0.f;
-#pragma omp simd reduction(+ : s)
-  for (int64_t i = 0; i < n; ++i) s += a[i] * b[i];
+  for (int64_t j = 0; j < kLanes; ++j) s += lane[j];
   return s;
 }
 
@@ -71,9 +85,34 @@ constexpr int64_t kTile = 16;  // keys per tile (one reference-layout block)
 constexpr int64_t kHeadGroup = 4;  // query rows scored together (independent accumulators)
 constexpr int64_t kChunk = 64;  // output columns accumulated in registers
 
-// tile [cnt, width] -> tile_t [width, kTile], zero-padding keys cnt..kTile.
+// tile [cnt, width] -> tile_t [width, kTile], zero-padding keys cnt..kTile. A full tile moves 8 x 8 blocks
+// through AVX registers where the CPU has them (an exact copy either way).
 inline void transpose_tile(const float* tile, float* tile_t, int64_t cnt, int64_t width) {
-  for (int64_t c = 0; c < width; ++c)
+  int64_t c0 = 0;
+#ifdef __AVX2__
+  if (cnt == kTile) {
+    for (; c0 + 8 <= width; c0 += 8)
+      for (int64_t r0 = 0; r0 < kTile; r0 += 8) {
+        __m256 v[8], t[8];
+        for (int i = 0; i < 8; ++i) v[i] = _mm256_loadu_ps(tile + (r0 + i) * width + c0);
+        for (int i = 0; i < 8; i += 2) {
+          t[i] = _mm256_unpacklo_ps(v[i], v[i + 1]);
+          t[i + 1] = _mm256_unpackhi_ps(v[i], v[i + 1]);
+        }
+        for (int i = 0; i < 8; i += 4) {
+          v[i] = _mm256_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(1, 0, 1, 0));
+          v[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(3, 2, 3, 2));
+          v[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(1, 0, 1, 0));
+          v[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(3, 2, 3, 2));
+        }
+        for (int i = 0; i < 4; ++i) {
+          _mm256_storeu_ps(tile_t + (c0 + i) * kTile + r0, _mm256_permute2f128_ps(v[i], v[i + 4], 0x20));
+          _mm256_storeu_ps(tile_t + (c0 + i + 4) * kTile + r0, _mm256_permute2f128_ps(v[i], v[i + 4], 0x31));
+        }
+      }
+  }
+#endif
+  for (int64_t c = c0; c < width; ++c)
     for (int64_t r = 0; r < kTile; ++r) tile_t[c * kTile + r] = r < cnt ? tile[r * width + c] : 0.f;
 }
 
@@ -264,9 +303,180 @@ void mla_decode_impl(const at::Tensor& q, const at::Tensor& cache, const at::Ten
   });
 }
 
-at::Tensor mla_decode(const at::Tensor& q_nope, const at::Tensor& q_pe, const at::Tensor& cache,
-                      const at::Tensor& block_table, const at::Tensor& seq_lens,
-                      const at::Tensor& query_start_loc, double scale, int64_t window) {
+// ------------------------------------------------------------------------ batch-invariant MLA attention
+
+// Deterministic mode's attention: a query row's bits depend only on its own query and the keys it sees
+// (positions <= its own, inside its window), never on the other rows of the call. Each row runs one
+// online softmax over key tiles at fixed positions (cut every kTile keys from position 0, and at cache
+// block boundaries), in ascending order, from the first tile holding a key it sees to the one holding its
+// own position. Rows are processed kHeadGroup at a time (a zero-padded group, so every row goes through
+// the same code whatever its group and the call's size): scores of the group against a tile, then per
+// row the tile's maximum over its visible keys and exp, then one update of the group's outputs over all
+// kTile keys, a key the row does not see weighing exactly 0 (adding 0 x a finite key changes no bit; a
+// row that sees no key of the tile keeps its state, scaled by exactly 1). Work items are blocks of
+// kRowBlock consecutive (token, head) rows of one request, sharing each transposed tile; items share
+// nothing, so how the batch is cut and the thread count never reach the arithmetic. No split along the
+// KV: one request's rows are parallel only across blocks.
+constexpr int64_t kRowBlock = 64;  // (token, head) rows per work item
+constexpr int64_t kCols = 16;  // output columns per register block of the group update
+
+// acc[g][:latent] = alpha[g] * acc[g] + sum_r p[g][r] * tile[r, :latent] for the kHeadGroup rows of a group,
+// every (row, column) summed over r = 0..kTile-1 in order; tile rows past the tile's keys are zero.
+inline void accumulate_group(const float* p, const float* tile, float* acc, const float* alpha, int64_t width,
+                             int64_t latent) {
+  int64_t c0 = 0;
+  for (; c0 + kCols <= latent; c0 += kCols) {
+    float t[kHeadGroup][kCols];
+    for (int64_t g = 0; g < kHeadGroup; ++g) {
+#pragma omp simd
+      for (int64_t c = 0; c < kCols; ++c) t[g][c] = acc[g * latent + c0 + c] * alpha[g];
+    }
+    for (int64_t r = 0; r < kTile; ++r) {
+      const float* kr = tile + r * width + c0;
+      for (int64_t g = 0; g < kHeadGroup; ++g) {
+        const float pr = p[g * kTile + r];
+#pragma omp simd
+        for (int64_t c = 0; c < kCols; ++c) t[g][c] += pr * kr[c];
+      }
+    }
+    for (int64_t g = 0; g < kHeadGroup; ++g) {
+#pragma omp simd
+      for (int64_t c = 0; c < kCols; ++c) acc[g * latent + c0 + c] = t[g][c];
+    }
+  }
+  for (int64_t g = 0; g < kHeadGroup; ++g)
+    for (int64_t c = c0; c < latent; ++c) {
+      float t = acc[g * latent + c] * alpha[g];
+      for (int64_t r = 0; r < kTile; ++r) t += p[g * kTile + r] * tile[r * width + c];
+      acc[g * latent + c] = t;
+    }
+}
+
+template <typename cache_t, typename out_t>
+void mla_attention_invariant_impl(const at::Tensor& q, const at::Tensor& cache, const at::Tensor& block_table,
+                                  const at::Tensor& seq_lens, const at::Tensor& query_start_loc, double scale,
+                                  int64_t window, int64_t latent, at::Tensor& out) {
+  const int64_t num_reqs = seq_lens.size(0), heads = q.size(1), width = q.size(2);
+  const int64_t block_size = cache.size(1), table_width = block_table.size(1);
+  const float* qp = q.data_ptr<float>();
+  const cache_t* cp = cache.data_ptr<cache_t>();
+  const int32_t* table = block_table.data_ptr<int32_t>();
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  const int32_t* qsl = query_start_loc.data_ptr<int32_t>();
+  const int64_t cache_blocks = cache.size(0);
+  struct Item {
+    int64_t req, row0, rows;  // rows [row0, row0 + rows) of request `req`'s (token, head) rows
+  };
+  std::vector<Item> items;
+  for (int64_t b = 0; b < num_reqs; ++b) {
+    const int64_t n = qsl[b + 1] - qsl[b], len = lens[b];
+    TORCH_CHECK(n >= 0 && n <= len, "mla_decode: request ", b, " has ", n, " query tokens but seq_len ", len);
+    TORCH_CHECK((len + block_size - 1) / block_size <= table_width, "mla_decode: request ", b,
+                " needs more blocks than block_table has columns");
+    for (int64_t r0 = 0; r0 < n * heads; r0 += kRowBlock)
+      items.push_back({b, r0, std::min(kRowBlock, n * heads - r0)});
+  }
+  const float fscale = static_cast<float>(scale);
+  out_t* op = out.data_ptr<out_t>();
+  at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t first, int64_t last) {
+    constexpr int64_t kMaxRows = (kRowBlock + kHeadGroup - 1) / kHeadGroup * kHeadGroup;
+    std::vector<float> tile(kTile * width), tile_t(width * kTile), qblock(kMaxRows * width);
+    std::vector<float> m(kMaxRows), l(kMaxRows), acc(kMaxRows * latent);
+    std::vector<int64_t> pos(kMaxRows), from(kMaxRows);
+    float sc[kHeadGroup * kTile], alpha[kHeadGroup];
+    for (int64_t it = first; it < last; ++it) {
+      const Item& item = items[it];
+      const int64_t b = item.req, n = qsl[b + 1] - qsl[b], len = lens[b];
+      const int64_t padded = (item.rows + kHeadGroup - 1) / kHeadGroup * kHeadGroup;
+      const float* qrows = qp + (qsl[b] * heads + item.row0) * width;
+      std::copy(qrows, qrows + item.rows * width, qblock.begin());
+      std::fill(qblock.begin() + item.rows * width, qblock.begin() + padded * width, 0.f);
+      int64_t lo = len, hi = 0;  // keys the block sees: [lo, hi)
+      for (int64_t row = 0; row < padded; ++row) {
+        // Padding rows take the block's last row's position: they see keys, and are never stored.
+        pos[row] = len - n + (item.row0 + std::min(row, item.rows - 1)) / heads;
+        from[row] = window > 0 ? std::max<int64_t>(0, pos[row] - window + 1) : 0;  // first visible key
+        lo = std::min(lo, from[row]);
+        hi = std::max(hi, pos[row] + 1);
+      }
+      std::fill(m.begin(), m.begin() + padded, kNegInf);
+      std::fill(l.begin(), l.begin() + padded, 0.f);
+      std::fill(acc.begin(), acc.begin() + padded * latent, 0.f);
+      for (int64_t j0 = lo / kTile * kTile; j0 < hi;) {
+        const int64_t blk = j0 / block_size, off0 = j0 % block_size;
+        const int64_t cnt = std::min({hi - j0, block_size - off0, kTile - j0 % kTile});
+        const int64_t phys = table[b * table_width + blk];
+        TORCH_CHECK(phys >= 0 && phys < cache_blocks, "mla_decode: block id ", phys, " out of range");
+        const cache_t* base = cp + (phys * block_size + off0) * width;
+        for (int64_t r = 0; r < cnt; ++r) load_row(base + r * width, tile.data() + r * width, width);
+        std::fill(tile.begin() + cnt * width, tile.end(), 0.f);
+        if (j0 + cnt < hi) {  // the next tile's rows, while this one is computed
+          const int64_t next = table[b * table_width + (j0 + cnt) / block_size];
+          if (next >= 0 && next < cache_blocks) {
+            const char* nb = reinterpret_cast<const char*>(cp + (next * block_size + (j0 + cnt) % block_size) * width);
+            for (int64_t byte = 0; byte < kTile * width * static_cast<int64_t>(sizeof(cache_t)); byte += 64)
+              __builtin_prefetch(nb + byte);
+          }
+        }
+        transpose_tile(tile.data(), tile_t.data(), kTile, width);  // the zero rows too: one full tile
+        for (int64_t g0 = 0; g0 < padded; g0 += kHeadGroup) {
+          bool any = false;  // does a row of the group see a key of this tile?
+          bool whole = cnt == kTile;  // ... does every row of the group see all its keys?
+          for (int64_t g = 0; g < kHeadGroup; ++g) {
+            any |= pos[g0 + g] >= j0 && from[g0 + g] < j0 + cnt;
+            whole &= pos[g0 + g] >= j0 + kTile - 1 && from[g0 + g] <= j0;
+          }
+          if (!any) continue;
+          score_tile(qblock.data() + g0 * width, tile_t.data(), sc, kHeadGroup, width, fscale);
+          for (int64_t g = 0; g < kHeadGroup; ++g) {
+            const int64_t row = g0 + g, p = pos[row], f = from[row];
+            float* s = sc + g * kTile;
+            float tile_max = kNegInf;  // a maximum: the same in any order, so both branches agree
+            if (whole) {
+#pragma omp simd reduction(max : tile_max)
+              for (int64_t r = 0; r < kTile; ++r) tile_max = std::max(tile_max, s[r]);
+            } else {
+              for (int64_t r = 0; r < kTile; ++r) {
+                const int64_t j = j0 + r;
+                if (!(r < cnt && j <= p && j >= f)) s[r] = kNegInf;
+                tile_max = std::max(tile_max, s[r]);
+              }
+            }
+            if (tile_max == kNegInf) {  // nothing visible: the state stays, bit for bit
+              alpha[g] = 1.f;
+              std::fill(s, s + kTile, 0.f);
+              continue;
+            }
+            const float m_new = std::max(m[row], tile_max);
+            alpha[g] = std::exp(m[row] - m_new);  // 0 when m was -inf
+            float lsum = l[row] * alpha[g];
+#pragma omp simd reduction(+ : lsum)
+            for (int64_t r = 0; r < kTile; ++r) {
+              s[r] = fast_exp(s[r] - m_new);  // 0 for hidden keys (-inf) and the padding past cnt
+              lsum += s[r];
+            }
+            l[row] = lsum;
+            m[row] = m_new;
+          }
+          accumulate_group(sc, tile.data(), acc.data() + g0 * latent, alpha, width, latent);
+        }
+        j0 += cnt;
+      }
+      for (int64_t row = 0; row < item.rows; ++row) {
+        float* a = acc.data() + row * latent;
+        const float inv = l[row] > 0.f ? 1.f / l[row] : 0.f;
+#pragma omp simd
+        for (int64_t c = 0; c < latent; ++c) a[c] *= inv;
+        store_row(a, op + (qsl[b] * heads + item.row0 + row) * latent, latent);
+      }
+    }
+  });
+}
+
+// The checks and operand preparation both attention kernels share; `invariant` picks the schedule.
+at::Tensor mla_attention(const at::Tensor& q_nope, const at::Tensor& q_pe, const at::Tensor& cache,
+                         const at::Tensor& block_table, const at::Tensor& seq_lens,
+                         const at::Tensor& query_start_loc, double scale, int64_t window, bool invariant) {
   TORCH_CHECK(q_nope.dim() == 3 && q_pe.dim() == 3, "mla_decode: q_nope and q_pe must be [T, H, *]");
   TORCH_CHECK(cache.dim() == 3 && cache.is_contiguous(), "mla_decode: cache must be a contiguous [N, bs, L+R]");
   const int64_t latent = q_nope.size(2);
@@ -284,10 +494,25 @@ at::Tensor mla_decode(const at::Tensor& q_nope, const at::Tensor& q_pe, const at
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, cache.scalar_type(), "mla_decode_cache", [&] {
     using cache_t = scalar_t;
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, out.scalar_type(), "mla_decode_out", [&] {
-      mla_decode_impl<cache_t, scalar_t>(q, cache, table, lens, qsl, scale, window, latent, out);
+      if (invariant)
+        mla_attention_invariant_impl<cache_t, scalar_t>(q, cache, table, lens, qsl, scale, window, latent, out);
+      else
+        mla_decode_impl<cache_t, scalar_t>(q, cache, table, lens, qsl, scale, window, latent, out);
     });
   });
   return out;
+}
+
+at::Tensor mla_decode(const at::Tensor& q_nope, const at::Tensor& q_pe, const at::Tensor& cache,
+                      const at::Tensor& block_table, const at::Tensor& seq_lens,
+                      const at::Tensor& query_start_loc, double scale, int64_t window) {
+  return mla_attention(q_nope, q_pe, cache, block_table, seq_lens, query_start_loc, scale, window, false);
+}
+
+at::Tensor mla_decode_invariant(const at::Tensor& q_nope, const at::Tensor& q_pe, const at::Tensor& cache,
+                                const at::Tensor& block_table, const at::Tensor& seq_lens,
+                                const at::Tensor& query_start_loc, double scale, int64_t window) {
+  return mla_attention(q_nope, q_pe, cache, block_table, seq_lens, query_start_loc, scale, window, true);
 }
 
 // ------------------------------------------------------------------------------------- KV cache write
@@ -388,6 +613,45 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::T
   return {normed, summed};
 }
 
+// silu(gate) * up for x = [gate | up] rows [rows, 2I] -> [rows, I], in float32: each row in blocks of 16
+// elements through a local buffer, so every element is computed by the same vector code (no scalar tail,
+// no alignment peeling) whatever the row's place in the batch or the thread that runs it.
+template <typename T>
+void silu_mul_rows(const T* x, T* out, int64_t rows, int64_t inter) {
+  constexpr int64_t kBlock = 16;
+  at::parallel_for(0, rows, grain_for(2 * inter), [&](int64_t first, int64_t last) {
+    for (int64_t r = first; r < last; ++r) {
+      const T* gate = x + r * 2 * inter;
+      const T* up = gate + inter;
+      for (int64_t i0 = 0; i0 < inter; i0 += kBlock) {
+        const int64_t n = std::min(kBlock, inter - i0);
+        float g[kBlock] = {}, u[kBlock] = {}, o[kBlock];
+        for (int64_t i = 0; i < n; ++i) {
+          g[i] = static_cast<float>(gate[i0 + i]);
+          u[i] = static_cast<float>(up[i0 + i]);
+        }
+#pragma omp simd
+        for (int64_t i = 0; i < kBlock; ++i) o[i] = g[i] / (1.f + fast_exp(-g[i])) * u[i];
+        for (int64_t i = 0; i < n; ++i) out[r * inter + i0 + i] = static_cast<T>(o[i]);
+      }
+    }
+  });
+}
+
+at::Tensor silu_and_mul_invariant(const at::Tensor& x) {
+  TORCH_CHECK(x.dim() >= 1 && x.size(-1) % 2 == 0, "silu_and_mul: the last dimension must be even");
+  const int64_t inter = x.size(-1) / 2;
+  const at::Tensor xc = x.contiguous();
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = inter;
+  at::Tensor out = at::empty(shape, x.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "silu_and_mul", [&] {
+    silu_mul_rows(xc.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), xc.numel() / std::max<int64_t>(1, 2 * inter),
+                  inter);
+  });
+  return out;
+}
+
 template <typename T>
 inline void rotate(const T* src, T* dst, const float* cs, int64_t rope, bool interleaved) {
   const int64_t half = rope / 2;
@@ -438,16 +702,21 @@ std::tuple<at::Tensor, at::Tensor> rope(const at::Tensor& q, const at::Tensor& k
 TORCH_LIBRARY(deepinfer_cpu, m) {
   m.def("mla_decode(Tensor q_nope, Tensor q_pe, Tensor cache, Tensor block_table, Tensor seq_lens, "
         "Tensor query_start_loc, float scale, int window) -> Tensor");
+  m.def("mla_decode_invariant(Tensor q_nope, Tensor q_pe, Tensor cache, Tensor block_table, Tensor seq_lens, "
+        "Tensor query_start_loc, float scale, int window) -> Tensor");
   m.def("kv_cache_write(Tensor kv_c, Tensor k_pe, Tensor(a!) cache, Tensor slot_mapping) -> ()");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)");
+  m.def("silu_and_mul_invariant(Tensor x) -> Tensor");
   m.def("rope(Tensor q, Tensor k, Tensor positions, Tensor cos_sin_cache, bool interleaved) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(deepinfer_cpu, CPU, m) {
   m.impl("mla_decode", &mla_decode);
+  m.impl("mla_decode_invariant", &mla_decode_invariant);
   m.impl("kv_cache_write", &kv_cache_write);
   m.impl("rms_norm", &rms_norm);
   m.impl("add_rms_norm", &add_rms_norm);
+  m.impl("silu_and_mul_invariant", &silu_and_mul_invariant);
   m.impl("rope", &rope);
 }
