@@ -297,6 +297,12 @@ class CoreLog:
                 out.setdefault(rid, s["t0"])
         return out
 
+    def went_straight_on(self, k: int) -> bool:
+        """Whether the core started step ``k + 1`` straight after step ``k``: the next step carries on a
+        request that step ``k`` ran too. A request that was only added meanwhile proves nothing: on a
+        decode worker it waits for its KV to load first, and that wait is no step's time."""
+        return k + 1 < len(self.steps) and not set(self.steps[k]["ids"]).isdisjoint(self.steps[k + 1]["ids"])
+
     def idle_at(self, t: float, until: float) -> bool:
         """Whether no step ran at any time in (t, until): none delayed a request sent at ``t`` and
         taken at ``until``."""
@@ -306,7 +312,7 @@ class CoreLog:
 def fit_served_steps(log: CoreLog) -> tuple[StepCostModel, StepCostModel, dict]:
     """The served step's period and the runner's share, fitted to ``log``'s steps (see the module
     docstring). A step's period runs to the next step's start when the core went straight on (the
-    next step holds a request the core had before this one ended); before an idle spell, to its own
+    next step carries on a request this one ran: ``CoreLog.went_straight_on``); otherwise, to its own
     end plus the median of those gaps. Returns (period model, runner model, fit summary)."""
     steps = log.steps
     if len(steps) < 10:
@@ -314,7 +320,7 @@ def fit_served_steps(log: CoreLog) -> tuple[StepCostModel, StepCostModel, dict]:
     gaps, periods = [], []
     for k, s in enumerate(steps):
         nxt = steps[k + 1] if k + 1 < len(steps) else None
-        held = nxt is not None and any(log.adds.get(r, {"t": -1.0})["t"] < s["t1"] for r in nxt["ids"])
+        held = log.went_straight_on(k)
         if held:
             gaps.append(nxt["t0"] - s["t1"])
         periods.append(nxt["t0"] - s["t0"] if held else None)
@@ -344,7 +350,7 @@ def step_errors(log: CoreLog, period: StepCostModel, runner: StepCostModel, star
             runner_ratio.append(runner.predict(work) / s["forward_s"])
             startup_ratio.append(startup.predict(work) / s["forward_s"])
             nxt = log.steps[k + 1] if k + 1 < len(log.steps) else None
-            if nxt is not None and any(log.adds.get(r, {"t": -1.0})["t"] < s["t1"] for r in nxt["ids"]):
+            if log.went_straight_on(k):
                 period_ratio.append(period.predict(work) / (nxt["t0"] - s["t0"]))
         out[kind] = {
             "steps": len(runner_ratio),
@@ -355,9 +361,7 @@ def step_errors(log: CoreLog, period: StepCostModel, runner: StepCostModel, star
                 [
                     (log.steps[k + 1]["t0"] - s["t0"]) / s["forward_s"]
                     for k, s in enumerate(log.steps[:-1])
-                    if s["work"]
-                    and keep([tuple(w) for w in s["work"]])
-                    and any(log.adds.get(r, {"t": -1.0})["t"] < s["t1"] for r in log.steps[k + 1]["ids"])
+                    if s["work"] and keep([tuple(w) for w in s["work"]]) and log.went_straight_on(k)
                 ]
             ),
         }

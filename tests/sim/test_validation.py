@@ -75,3 +75,21 @@ def test_the_simulated_handoff_follows_our_router() -> None:
     assert prefill.tokens_done == 100
     assert decode.tokens_done == (100 - 96) + 7  # the tail after 6 full blocks, then 7 decodes
     assert len(trace.token_times) == 8 and trace.first_token_s > 0.25
+
+
+def test_a_wait_for_a_kv_load_is_no_steps_period() -> None:
+    """A decode worker: c1 is added while c0 decodes, but runs only after c0 has finished and its KV
+    has loaded (0.2 s idle). That wait must not count as the period of c0's last step."""
+    adds = {"c0": {"t": 0.0, "prompt": 200}, "c1": {"t": 0.005, "prompt": 200}}
+    steps, t = [], 0.0
+    for rid, n in (("c0", 30), ("c1", 30)):
+        for k in range(n):
+            work = [(1, 200 + k)]
+            forward = TRUE.predict(work)
+            steps.append({"t0": t, "t1": t + forward, "forward_s": forward, "work": work, "ids": [rid],
+                          "first": [rid] if k == 0 else []})  # fmt: skip
+            t += forward + GAP_S
+        t += 0.2  # c1's KV loads while the core has nothing to run
+    period, _, summary = fit_served_steps(CoreLog(adds, steps))
+    assert summary["median_loop_gap_s"] == pytest.approx(GAP_S)
+    assert period.predict([(1, 215)]) == pytest.approx(TRUE.predict([(1, 215)]) + GAP_S, rel=0.02)
