@@ -32,7 +32,6 @@ import os
 import random
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -45,7 +44,7 @@ from deepinfer.bench.serve import RequestResult, _one, summarise
 from deepinfer.bench.sse_client import SSEConnection
 from deepinfer.bench.workload import heldout_stream
 from deepinfer.model_zoo import default_model_path
-from deepinfer.router.cluster import _die_with_parent, free_port
+from deepinfer.router.cluster import cluster_process
 from deepinfer.tokenizer import Tokenizer
 
 MODEL = "deepinfer-tiny-coder"
@@ -60,39 +59,13 @@ SETUPS = {
 
 @contextlib.contextmanager
 def cluster(setup: str, work: Path, kv_gib: float) -> Iterator[str]:
-    """``deepinfer cluster`` for ``setup`` on a free port; yields the router URL; SIGTERM at the end."""
-    port = free_port()
+    """``deepinfer cluster`` for ``setup``; yields the router URL; SIGTERM at the end."""
     store = work / f"store-{setup}-{time.monotonic_ns()}"
-    cmd = [sys.executable, "-m", "deepinfer.cli", "cluster", "--port", str(port), "--kv-store-path", str(store),
-           "--worker-kv-cache-gib", str(kv_gib), "--serve-args=--max-model-len 8192", "--log-level", "warning",
-           "--first-byte-timeout-s", "900", "--request-timeout-s", "1200",
-           *SETUPS[setup]]  # fmt: skip
-    log = work / f"cluster-{setup}.log"
-    with open(log, "wb") as out:
-        process = subprocess.Popen(  # it (and so its workers) gets SIGTERM if this process dies
-            cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=_die_with_parent
-        )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 300
-        while True:
-            if process.poll() is not None:
-                raise RuntimeError(f"the {setup} cluster exited:\n{log.read_text()[-2000:]}")
-            with contextlib.suppress(httpx.HTTPError, ValueError):
-                if httpx.get(f"{url}/health", timeout=2).json()["status"] == "ok":
-                    break
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"the {setup} cluster was not healthy in 300 s")
-            time.sleep(0.5)
+    args = ["--kv-store-path", str(store), "--worker-kv-cache-gib", str(kv_gib), "--serve-args=--max-model-len 8192",
+            "--log-level", "warning", "--first-byte-timeout-s", "900", "--request-timeout-s", "1200",
+            *SETUPS[setup]]  # fmt: skip
+    with cluster_process(args, work / f"cluster-{setup}.log", f"{setup} cluster") as url:
         yield url
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(process.pid, signal.SIGTERM)
-        try:
-            process.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
 
 
 def schedule(

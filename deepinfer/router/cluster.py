@@ -155,6 +155,45 @@ def workers_running(
         stop_workers(workers)
 
 
+@contextlib.contextmanager
+def cluster_process(
+    args: Sequence[str], log: Path, what: str = "cluster", ready_s: float = 300.0
+) -> Iterator[str]:
+    """``deepinfer cluster --port <free port> *args`` as a child process (its own session; SIGTERM if
+    this process dies), stdout and stderr in ``log``. Yields the router's URL once its ``/health`` is
+    ok; on exit SIGTERM, then after 60 s SIGKILL of its process group. Raises if it exits or is not
+    healthy within ``ready_s``, naming ``what`` with the log's tail."""
+    import httpx  # the caller's side only: the engine path never imports an HTTP client
+
+    port = free_port()
+    cmd = [sys.executable, "-m", "deepinfer.cli", "cluster", "--port", str(port), *args]
+    with open(log, "wb") as out:
+        process = subprocess.Popen(
+            cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=_die_with_parent
+        )
+    url = f"http://{LOOPBACK}:{port}"
+    try:
+        deadline = time.monotonic() + ready_s
+        while True:
+            if process.poll() is not None:
+                raise RuntimeError(f"the {what} exited:\n{log.read_text()[-2000:]}")
+            with contextlib.suppress(httpx.HTTPError, ValueError):
+                if httpx.get(f"{url}/health", timeout=2).json()["status"] == "ok":
+                    break
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the {what} was not healthy in {ready_s:g} s")
+            time.sleep(0.5)
+        yield url
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(process.pid, signal.SIGTERM)
+        try:
+            process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+
+
 def _sigterm_as_interrupt(signum, frame) -> None:
     raise KeyboardInterrupt
 

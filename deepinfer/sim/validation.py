@@ -41,10 +41,7 @@ import json
 import os
 import random
 import shutil
-import signal
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -209,30 +206,13 @@ def _disaggregated(
     through both; yields the router's URL and {role: that worker's core pid}. SIGTERM at the end."""
     import httpx
 
-    from deepinfer.router.cluster import _die_with_parent, free_port
+    from deepinfer.router.cluster import cluster_process
 
-    port = free_port()
-    cmd = [sys.executable, "-m", "deepinfer.cli", "cluster", "--model", model_dir, "--port", str(port),
-           "--prefill", "1", "--decode", "1", "--worker-threads", "1", "--min-disaggregated-tokens", "0",
-           "--kv-store-path", str(work / "store"), "--worker-kv-cache-gib", str(settings.kv_cache_memory_gib),
-           f"--serve-args={' '.join(settings.args(with_cache=False))}", "--log-level", "warning"]  # fmt: skip
-    log = work / "cluster.log"
-    with open(log, "wb") as out:
-        process = subprocess.Popen(
-            cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=_die_with_parent
-        )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 300
-        while True:
-            if process.poll() is not None:
-                raise RuntimeError(f"the P/D cluster exited:\n{log.read_text()[-2000:]}")
-            with contextlib.suppress(httpx.HTTPError, ValueError):
-                if httpx.get(f"{url}/health", timeout=2).json()["status"] == "ok":
-                    break
-            if time.monotonic() > deadline:
-                raise TimeoutError("the P/D cluster was not healthy in 300 s")
-            time.sleep(0.5)
+    args = ["--model", model_dir, "--prefill", "1", "--decode", "1", "--worker-threads", "1",
+            "--min-disaggregated-tokens", "0", "--kv-store-path", str(work / "store"),
+            "--worker-kv-cache-gib", str(settings.kv_cache_memory_gib),
+            f"--serve-args={' '.join(settings.args(with_cache=False))}", "--log-level", "warning"]  # fmt: skip
+    with cluster_process(args, work / "cluster.log", "P/D cluster") as url:
         pids = {}
         for worker_url, status in httpx.get(f"{url}/router/workers", timeout=10).json().items():
             health = httpx.get(f"{worker_url}/health", timeout=10).json()
@@ -240,14 +220,6 @@ def _disaggregated(
         if sorted(pids) != ["decode", "prefill"]:
             raise RuntimeError(f"the P/D cluster's workers are {pids}, not one prefill and one decode")
         yield url, pids
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(process.pid, signal.SIGTERM)
-        try:
-            process.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
 
 
 # ---------------------------------------------------------------------------------- the step logs
