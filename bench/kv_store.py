@@ -243,11 +243,18 @@ def bench_store_cpu(root: Path, num_requests: int) -> dict:
     }
 
 
-def bench_write_path(root: Path, blocks: int = 2000, step: int = 40, slot_bytes: int = 25600) -> dict:
+def bench_write_path(
+    root: Path,
+    blocks: int = 2000,
+    step: int = 40,
+    slot_bytes: int = 25600,
+    write_window_s: float = KVStoreConfig().write_window_ms / 1e3,
+) -> dict:
     """The write-behind's CPU per saved block, without an engine: ``blocks`` blocks of ``slot_bytes``
     (the bundled model's block size) reserved, filled and committed ``step`` at a time with 10 ms
     between steps (an engine step), then flushed. Engine-thread CPU of the commits, the writer
-    thread's CPU, and the time until every block is durable."""
+    thread's CPU, and the time until every block is durable. ``write_window_s``: the store's
+    group-commit window (the engine's default)."""
     import hashlib
 
     from deepinfer.kvstore.keys import StoreNamespace, store_key
@@ -256,7 +263,14 @@ def bench_write_path(root: Path, blocks: int = 2000, step: int = 40, slot_bytes:
 
     ns = StoreNamespace("weights", "tok", "layout", 16, "float32", (0,), "full")
     policy = RetentionPolicy(dict(DEFAULT_TTLS), "chat")
-    store = KVStore(ns, slot_bytes, 2 * blocks, policy, disk=DirSpec(root / "write-path", 1 << 34))
+    store = KVStore(
+        ns,
+        slot_bytes,
+        2 * blocks,
+        policy,
+        disk=DirSpec(root / "write-path", 1 << 34),
+        write_window_s=write_window_s,
+    )
     writer0 = _thread_cpu_s(store._writer.native_id)
     t0, cpu0 = time.perf_counter(), time.thread_time()
     for first in range(0, blocks, step):
@@ -274,6 +288,7 @@ def bench_write_path(root: Path, blocks: int = 2000, step: int = 40, slot_bytes:
     return {
         "blocks": blocks,
         "slot_bytes": slot_bytes,
+        "write_window_s": write_window_s,
         "engine_thread_ms_per_block": 1e3 * engine_s / blocks,
         "writer_thread_ms_per_block": 1e3 * writer_s / blocks,
         "wall_until_durable_s": wall,

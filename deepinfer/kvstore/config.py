@@ -43,6 +43,14 @@ class KVStoreConfig(BaseModel):
         "past it stay in host memory only, counted as writes_dropped",
     )
 
+    write_window_ms: float = Field(
+        200.0,
+        ge=0,
+        description="the write-behind gathers saves this long into one batch made durable at once "
+        "(fewer syncs and writer wake-ups); local disk tier only: with a shared tier every batch is "
+        "written as soon as it is queued",
+    )
+
     @field_validator("ttls", mode="before")
     @classmethod
     def _parse_ttls(cls, value: object) -> object:

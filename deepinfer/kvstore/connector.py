@@ -120,6 +120,7 @@ class StoreConnector:
             shared,
             pin_memory,
             max_pending_writes=config.write_queue_blocks,
+            write_window_s=config.write_window_ms / 1e3,
         )
         self._checked: set[str] = set()  # requests already looked up in the store (once per admission)
         self._loading: dict[str, _Load] = {}

@@ -100,10 +100,14 @@ class KVStore:
         pin_memory: bool = False,
         clock: Callable[[], float] = time.time,
         max_pending_writes: int = 4096,
+        write_window_s: float = 0.0,
     ) -> None:
         """``max_pending_writes``: the write-behind backlog, in blocks (each leases its host slot
         until written); a save past it stays in host memory only and is counted in
-        ``writes_dropped``: the engine never waits for the disk."""
+        ``writes_dropped``: the engine never waits for the disk. ``write_window_s``: how long the
+        writer gathers saves into one batch (one durable sync for all of them) when only a local
+        disk tier is written; with a shared tier each batch is written as soon as it is queued (the
+        prefill/decode handoff waits for those files)."""
         self.namespace = namespace
         self.ns_digest = namespace.digest()
         self.slot_bytes = slot_bytes
@@ -138,6 +142,10 @@ class KVStore:
         if max_pending_writes < 1:
             raise ValueError(f"max_pending_writes must be at least 1, got {max_pending_writes}")
         self.max_pending_writes = max_pending_writes
+        if write_window_s < 0:
+            raise ValueError(f"write_window_s must be at least 0, got {write_window_s}")
+        self.write_window_s = 0.0 if shared is not None else write_window_s
+        self._flushers = 0  # flush calls waiting: the writer skips its window
         self._pending = 0  # queued items (writes and touches), for flush
         self._pending_writes = 0  # queued block writes, bounded by max_pending_writes
         self._idle = threading.Condition(self._lock)
@@ -314,21 +322,35 @@ class KVStore:
         self._pending_writes += len(items)
         self._writes.put(items)
 
+    def _next_batch(self) -> list[tuple[bytes, int | None, str]] | None:
+        """The writer's next batch (None: stop): what is queued, gathered for up to ``write_window_s``
+        after the first item (group commit: one pair of syncs per window rather than per engine
+        step), ended early by ``flush``, ``close`` or half the backlog bound."""
+        first = self._writes.get()
+        if first is None:
+            return None
+        batch = list(first)
+        deadline = time.monotonic() + self.write_window_s
+        while True:
+            with self._lock:
+                urgent = self._flushers > 0 or self._pending_writes * 2 >= self.max_pending_writes
+            remaining = 0.0 if urgent else deadline - time.monotonic()
+            try:
+                more = self._writes.get(timeout=remaining) if remaining > 0 else self._writes.get_nowait()
+            except queue.Empty:
+                return batch
+            if more is None:
+                self._writes.put(None)
+                return batch
+            batch += more
+
     def _write_loop(self) -> None:
         while True:
-            first = self._writes.get()
-            if first is None:
+            batch = self._next_batch()
+            if batch is None:
                 return
-            batch = list(first)
-            while True:
-                try:
-                    more = self._writes.get_nowait()
-                except queue.Empty:
-                    break
-                if more is None:
-                    self._writes.put(None)
-                    break
-                batch += more
+            if not batch:  # a flush's wake-up with nothing queued
+                continue
             try:
                 now = self.clock()
                 for key, slot, cls in batch:
@@ -353,9 +375,14 @@ class KVStore:
                     self._idle.notify_all()
 
     def flush(self, timeout: float | None = None) -> bool:
-        """Wait until every queued write is durable; False on timeout."""
+        """Wait until every queued write is durable (the writer's window ends at once); False on timeout."""
         with self._idle:
-            return self._idle.wait_for(lambda: self._pending == 0, timeout)
+            self._flushers += 1
+            try:
+                self._writes.put([])  # wakes a writer waiting out its window
+                return self._idle.wait_for(lambda: self._pending == 0, timeout)
+            finally:
+                self._flushers -= 1
 
     # ------------------------------------------------------------------ holds (leases with expiry)
     def hold(self, keys: Sequence[bytes], seconds: float) -> int:

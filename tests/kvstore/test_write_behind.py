@@ -143,3 +143,45 @@ def test_a_failed_batch_is_logged_and_the_writer_keeps_writing(tmp_path: Path, c
     store.close()
     disk = tier(tmp_path)
     assert disk.read(ks[0], time.time()) is None and bytes(disk.read(ks[1], time.time())) == bytes([2]) * 256
+
+
+def test_the_window_gathers_steps_into_one_batch_and_a_flush_ends_it_at_once(tmp_path: Path) -> None:
+    store = KVStore(NS, 256, 64, POLICY, disk=DirSpec(tmp_path, 1 << 20), write_window_s=30.0)
+    batches = []
+    write_batch = store.files[0].write_batch
+    store.files[0].write_batch = lambda items, now: (batches.append(len(items)), write_batch(items, now))
+    ks = keys(9)
+    for step in range(3):  # three engine steps' saves, 3 blocks each
+        store.commit_many(
+            [(k, _filled(store, 3 * step + i), "chat") for i, k in enumerate(ks[3 * step : 3 * step + 3])]
+        )
+        time.sleep(0.05)
+    assert batches == []  # still inside the 30 s window: nothing written yet, all served from host
+    assert store.lookup(ks) == 9
+    t0 = time.perf_counter()
+    assert store.flush(10)
+    assert time.perf_counter() - t0 < 5  # the flush did not wait out the window
+    assert batches == [9]  # one batch (one pair of syncs) for the three steps
+    store.close()
+    assert tier(tmp_path).index.keys() == set(ks)
+
+
+def test_a_store_with_a_shared_tier_writes_without_a_window(tmp_path: Path) -> None:
+    store = KVStore(
+        NS, 256, 8, POLICY, disk=DirSpec(tmp_path / "d", 1 << 20), shared=DirSpec(tmp_path / "s", 1 << 20),
+        write_window_s=30.0,
+    )  # fmt: skip
+    assert store.write_window_s == 0.0
+    commit(store, keys(1)[0], 7)
+    deadline = time.monotonic() + 10
+    while store.snapshot()["tiers"]["shared"]["writes"] < 1:  # no flush: the handoff polls for files
+        assert time.monotonic() < deadline, "the shared tier waited for a window"
+        time.sleep(0.01)
+    store.close()
+
+
+def _filled(store: KVStore, fill: int) -> int:
+    slot = store.reserve()
+    assert slot is not None
+    store.slot(slot).fill_(fill)
+    return slot
