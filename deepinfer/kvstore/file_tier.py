@@ -174,37 +174,47 @@ class FileTier:
         """Write (key, payload, class) records; keys already present are only touched. Durable when
         this returns. Every new record goes to its own temporary file; all of them are made durable
         before any is linked to its name (so a name only ever points at synced bytes), then the
-        directories are. On a local tier (``disk``) on Linux one ``syncfs`` per step covers the whole
+        directories are. On a local tier (``disk``) on Linux one ``syncfs`` per batch covers all of
         batch, instead of an fsync per file and per directory; a shared tier (network and FUSE
         filesystems define durability per file) fsyncs each file and directory."""
         batched = not self.shared and _syncfs is not None
         dfd = os.open(self.dir, os.O_RDONLY) if batched else -1  # syncfs reports errors since open
         staged: list[tuple[bytes, str, str, int, float]] = []  # key, tmp, final path, size, expiry
-        staged_bytes = 0
+        tag = f"{os.getpid()}.{secrets.token_hex(4)}"  # this batch's temporary-name suffix
         try:
+            new, seen = [], set()
             for key, payload, cls in items:
                 if self._known(key) is not None:
                     self.touch(key, now, cls)
-                    continue
+                elif key not in seen:
+                    seen.add(key)
+                    new.append((key, payload, cls))
+            with self.lock:  # room for the whole batch at once: the common case, one eviction pass
+                whole = self._make_room(sum(record.HEADER_SIZE + len(p) for _, p, _ in new), now)
+            staged_bytes = 0
+            for key, payload, cls in new:
                 size = record.HEADER_SIZE + len(payload)
-                with self.lock:  # room for this record and those staged before it
-                    fits = self._make_room(size + staged_bytes, now)
-                if not fits:
-                    continue
+                if not whole:
+                    with self.lock:  # room for this record and those staged before it
+                        if not self._make_room(size + staged_bytes, now):
+                            continue
                 path = self._final_path(key)
                 expiry = self.policy.expiry(None, now, cls)
                 header = record.encode_header(key, self.namespace, payload, now, cls)
                 folder, name = os.path.split(path)
-                tmp = os.path.join(folder, f".tmp.{name}.{os.getpid()}.{secrets.token_hex(4)}")
+                tmp = os.path.join(folder, f".tmp.{name}.{tag}")
                 _write_tmp(tmp, header, payload, now, expiry, sync=not batched)
                 staged.append((key, tmp, path, size, expiry))
                 staged_bytes += size
             if batched and staged:
                 _syncfs(dfd)
             dirs: set[str] = set()
-            for key, tmp, path, size, expiry in staged:
-                won = _link_once(tmp, path)
-                with self.lock:
+            linked = [
+                (key, path, size, expiry, _link_once(tmp, path)) for key, tmp, path, size, expiry in staged
+            ]
+            staged = []
+            with self.lock:
+                for key, path, size, expiry, won in linked:
                     if won:
                         self.counters.writes += 1
                         self.counters.bytes_written += size
@@ -212,8 +222,7 @@ class FileTier:
                     if key not in self.index:
                         self.index[key] = Entry(key, size, now, expiry)
                         self.used += size
-                    self._gauges()
-            staged = []
+                self._gauges()
             if batched and dirs:
                 _syncfs(dfd)
             elif dirs:
