@@ -248,16 +248,11 @@ class StoreConnector:
     # ------------------------------------------------------------------ runner side
     def save_blocks(self, saves: list[tuple[bytes, int, str]]) -> None:
         """Copy device blocks into host slots and commit them (call after the step's forward)."""
-        reserved = []
-        for key, block_id, cls in saves:
-            slot = self.store.reserve()
-            if slot is None:
-                break
-            reserved.append((key, slot, cls, block_id))
-        if not reserved:
+        slots = self.store.reserve_many(len(saves))
+        if not slots:
             return
-        self._copy_out([r[3] for r in reserved], [r[1] for r in reserved])
-        self.store.commit_many([(key, slot, cls) for key, slot, cls, _ in reserved])
+        self._copy_out([block_id for _, block_id, _ in saves[: len(slots)]], slots)
+        self.store.commit_many([(key, slot, cls) for (key, _, cls), slot in zip(saves, slots)])
 
     def _copy_in(self, slots: list[int], block_ids: list[int]) -> None:
         """Host slots -> device blocks, one gather and one indexed copy per cache tensor."""
@@ -278,19 +273,41 @@ class StoreConnector:
         self.synchronize()
 
     def _copy_out(self, block_ids: list[int], slots: list[int]) -> None:
-        """Device blocks -> host slots (call after the forward that computed them)."""
+        """Device blocks -> host slots (call after the forward that computed them): per run of
+        consecutive slots (a fresh reservation is one run) and cache tensor, one gather straight
+        into the slots' bytes (on CPU no intermediate tensor; on a device one gather there and one
+        copy down)."""
         ids = torch.tensor(block_ids, device=self.kv_caches[0][0].device)
-        parts = [
-            self.kv_caches[layer][t].index_select(0, ids).view(len(ids), -1).view(torch.uint8).cpu()
-            for layer, t, _ in self._segments
-        ]
-        self.store.host.data[torch.tensor(slots)] = torch.cat(parts, dim=1)
+        host = self.store.host.data
+        for first, slot, count in _runs(slots):
+            rows, sel = host[slot : slot + count], ids[first : first + count]
+            offset = 0
+            for layer, t, n in self._segments:
+                src = self.kv_caches[layer][t]
+                flat, dst = src.view(src.shape[0], -1), rows[:, offset : offset + n].view(src.dtype)
+                if src.device.type == "cpu":
+                    torch.index_select(flat, 0, sel, out=dst)
+                else:
+                    dst.copy_(flat.index_select(0, sel))
+                offset += n
 
     def stats(self) -> dict:
         return self.store.snapshot()
 
     def close(self) -> None:
         self.store.close()
+
+
+def _runs(slots: list[int]) -> list[tuple[int, int, int]]:
+    """``slots`` as runs of consecutive values: (index of the run's first, first slot, length)."""
+    runs: list[tuple[int, int, int]] = []
+    for i, slot in enumerate(slots):
+        if runs and runs[-1][1] + runs[-1][2] == slot:
+            first, start, count = runs[-1]
+            runs[-1] = (first, start, count + 1)
+        else:
+            runs.append((i, slot, 1))
+    return runs
 
 
 def _numel(shape: tuple[int, ...]) -> int:

@@ -264,11 +264,22 @@ class KVStore:
     def reserve(self) -> int | None:
         """A leased host slot to copy a block into, then ``commit`` (or ``abandon``); None when every
         slot is leased (the save is dropped and counted)."""
+        slots = self.reserve_many(1)
+        return slots[0] if slots else None
+
+    def reserve_many(self, n: int) -> list[int]:
+        """Up to ``n`` reservations (``reserve``'s, under one lock), ascending so that a fresh run of
+        slots is contiguous; fewer when slots run out (each save missing is counted refused)."""
         with self._lock:
-            slot = self.host.reserve(self.clock())
-            if slot is None:
-                self.metrics.saves_refused += 1
-            return slot
+            now = self.clock()
+            slots = []
+            for _ in range(n):
+                slot = self.host.reserve(now)
+                if slot is None:
+                    self.metrics.saves_refused += n - len(slots)
+                    break
+                slots.append(slot)
+            return sorted(slots)
 
     def abandon(self, slot: int) -> None:
         with self._lock:

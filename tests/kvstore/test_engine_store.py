@@ -10,6 +10,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import torch
 
 from deepinfer import LLM, SamplingParams
 from deepinfer.kvstore.config import KVStoreConfig
@@ -154,3 +155,23 @@ def test_two_engine_processes_share_one_store(tiny_model: Path, tmp_path: Path) 
         assert result["cached"] == 192 and result["hits"] >= 12
         assert result["corrupt"] == 0
         assert result["tokens"] == written[other]  # the other's prompt, served from its blocks
+
+
+def test_blocks_copied_to_scattered_host_slots_come_back_whole(tiny_model: Path) -> None:
+    """Device -> host copies go per run of consecutive slots; a scattered reservation (an evicting
+    host tier hands out freed slots in any order) must land every block in its own slot."""
+    connector = make(tiny_model).engine.kv_connector
+    caches = connector.kv_caches
+    for layer in caches:
+        for tensor in layer:
+            tensor.copy_(torch.randn_like(tensor))
+    blocks, slots = [3, 7, 8, 1, 20], [9, 2, 3, 4, 0]  # runs: [9], [2, 3, 4], [0]
+    connector._copy_out(blocks, slots)
+    before = [[tensor[blocks].clone() for tensor in layer] for layer in caches]
+    for layer in caches:
+        for tensor in layer:
+            tensor.zero_()
+    connector._copy_in(slots, blocks)
+    for layer, saved in zip(caches, before):
+        for tensor, rows in zip(layer, saved):
+            assert torch.equal(tensor[blocks], rows)
