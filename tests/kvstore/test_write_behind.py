@@ -185,3 +185,23 @@ def _filled(store: KVStore, fill: int) -> int:
     assert slot is not None
     store.slot(slot).fill_(fill)
     return slot
+
+
+def test_closed_stores_leave_no_thread_and_free_their_host_memory(tmp_path: Path) -> None:
+    """A process that opens and closes stores (one per engine, as the benchmark's reps do) keeps
+    nothing of them: no store thread alive, the host tier's memory freed once the store is dropped."""
+    import gc
+    import weakref
+
+    freed = []
+    for i in range(3):
+        store = KVStore(NS, 4096, 64, POLICY, disk=DirSpec(tmp_path / str(i), 1 << 24), write_window_s=0.05)
+        for k in keys(4):
+            commit(store, k, 1)
+        store.load(keys(2), "chat").wait(10)
+        store.close()
+        freed.append(weakref.ref(store.host.data))
+        del store
+        gc.collect()
+    assert [t.name for t in threading.enumerate() if t.name.startswith("deepinfer-kv-")] == []
+    assert [ref() is None for ref in freed] == [True] * 3
