@@ -146,6 +146,7 @@ class KVStore:
             raise ValueError(f"write_window_s must be at least 0, got {write_window_s}")
         self.write_window_s = 0.0 if shared is not None else write_window_s
         self._flushers = 0  # flush calls waiting: the writer skips its window
+        self._hurry = threading.Event()  # ends the writer's window early
         self._pending = 0  # queued items (writes and touches), for flush
         self._pending_writes = 0  # queued block writes, bounded by max_pending_writes
         self._idle = threading.Condition(self._lock)
@@ -332,22 +333,24 @@ class KVStore:
         self._pending += len(items)
         self._pending_writes += len(items)
         self._writes.put(items)
+        if self._pending_writes * 2 >= self.max_pending_writes:
+            self._hurry.set()
 
     def _next_batch(self) -> list[tuple[bytes, int | None, str]] | None:
-        """The writer's next batch (None: stop): what is queued, gathered for up to ``write_window_s``
-        after the first item (group commit: one pair of syncs per window rather than per engine
-        step), ended early by ``flush``, ``close`` or half the backlog bound."""
+        """The writer's next batch (None: stop): once something is queued, the writer sleeps out
+        ``write_window_s`` (group commit: one wake-up and one pair of syncs per window rather than
+        per engine step; ``flush``, ``close`` or a half-full backlog end it at once), then takes
+        everything queued."""
         first = self._writes.get()
         if first is None:
             return None
+        if self.write_window_s > 0 and not self._hurried():
+            self._hurry.wait(self.write_window_s)
+        self._hurry.clear()
         batch = list(first)
-        deadline = time.monotonic() + self.write_window_s
         while True:
-            with self._lock:
-                urgent = self._flushers > 0 or self._pending_writes * 2 >= self.max_pending_writes
-            remaining = 0.0 if urgent else deadline - time.monotonic()
             try:
-                more = self._writes.get(timeout=remaining) if remaining > 0 else self._writes.get_nowait()
+                more = self._writes.get_nowait()
             except queue.Empty:
                 return batch
             if more is None:
@@ -355,13 +358,15 @@ class KVStore:
                 return batch
             batch += more
 
+    def _hurried(self) -> bool:
+        with self._lock:
+            return self._flushers > 0 or self._pending_writes * 2 >= self.max_pending_writes
+
     def _write_loop(self) -> None:
         while True:
             batch = self._next_batch()
             if batch is None:
                 return
-            if not batch:  # a flush's wake-up with nothing queued
-                continue
             try:
                 now = self.clock()
                 for key, slot, cls in batch:
@@ -389,8 +394,8 @@ class KVStore:
         """Wait until every queued write is durable (the writer's window ends at once); False on timeout."""
         with self._idle:
             self._flushers += 1
+            self._hurry.set()  # a writer sleeping out its window writes now
             try:
-                self._writes.put([])  # wakes a writer waiting out its window
                 return self._idle.wait_for(lambda: self._pending == 0, timeout)
             finally:
                 self._flushers -= 1
@@ -470,6 +475,7 @@ class KVStore:
             return
         self._closed = True
         self._writes.put(None)
+        self._hurry.set()
         self._writer.join()
         self._loader.shutdown(wait=True)
         self._readers.shutdown(wait=True)

@@ -202,6 +202,6 @@ def test_closed_stores_leave_no_thread_and_free_their_host_memory(tmp_path: Path
         store.close()
         freed.append(weakref.ref(store.host.data))
         del store
-        gc.collect()
+    gc.collect()
     assert [t.name for t in threading.enumerate() if t.name.startswith("deepinfer-kv-")] == []
     assert [ref() is None for ref in freed] == [True] * 3
