@@ -5,8 +5,9 @@ connector (or by a tool such as a prefill/decode handoff). Tiers, fastest first:
 pool in host memory, always present: it is where loads land and saves start), ``disk`` and
 ``shared`` (``FileTier`` directories), each optional and sized by the user. A key is served by the
 fastest tier holding it; a load from a file tier promotes the block into host memory; a save commits
-into host memory and is written behind (a background thread, batched, with a bounded backlog whose
-overflow stays in host memory, counted in ``writes_dropped``) to disk and shared. Blocks are bytes:
+into host memory and is written behind (a background thread, batched over a group-commit window
+when only a local disk is written, with a bounded backlog whose overflow stays in host memory,
+counted in ``writes_dropped``) to disk and shared. Blocks are bytes:
 ``slot_bytes`` per block, laid out by the caller (the connector copies each cache layer's block
 tensors into its slot in a fixed order that ``keys.LAYOUT_VERSION`` names).
 
