@@ -53,6 +53,7 @@ class EngineCore:
         self._unscheduled: dict[str, None] = {}  # admitted, not yet scheduled (ordered set)
         self._scheduled_at: dict[str, float] = {}
         self._busy_s = 0.0  # time in engine steps since start (reported to routers)
+        self._sent_store: dict | None = None  # the KV store counters last sent to the front
         log_dir = envs.get("DEEPINFER_STEP_LOG_DIR")
         self._step_log = StepLog(Path(log_dir), engine_id) if log_dir else None
 
@@ -99,7 +100,8 @@ class EngineCore:
     # ------------------------------------------------------------------ the loop
     def _loop(self, sock: zmq.Socket) -> None:
         engine = self.engine
-        idle_wait = IDLE_WAKE_MS if self.parent_pid is not None else None  # None: until a message
+        # None: until a message; a KV store writes behind after the last step, so its core wakes to report it
+        idle_wait = IDLE_WAKE_MS if self.parent_pid is not None or engine.kv_connector else None
         while True:
             busy = engine.has_unfinished_requests()
             if not sock.poll(0 if busy else idle_wait):
@@ -109,6 +111,8 @@ class EngineCore:
                     )
                     return
                 if not busy:
+                    if engine.kv_connector is not None and engine.kv_store_stats() != self._sent_store:
+                        sock.send(m.encode(m.StepOutputs(self.engine_id, [], [], [], self._stats())))
                     continue
             commands = []
             while sock.poll(0):
@@ -255,9 +259,15 @@ class EngineCore:
                 spec.emitted_tokens,
                 spec.request_steps,
             ),
-            kv_store=e.kv_store_stats(),
+            kv_store=self._record_store_stats(),
             load=engine_load(e, self._busy_s),
         )
+
+    def _record_store_stats(self) -> dict | None:
+        """The KV store's counters, remembered as the last sent (an idle core sends them again
+        when the write-behind has moved them on)."""
+        self._sent_store = self.engine.kv_store_stats()
+        return self._sent_store
 
 
 def _constraint_field(params: SamplingParams | None, exc: ValueError) -> str | None:
