@@ -36,10 +36,12 @@ def _rounded(x: Tensor, dtype: torch.dtype) -> Tensor:
 
 
 @nan_filled_memory()
-def check_rms_norm(ops: OpTable, device: torch.device, dtype: torch.dtype, hidden: int, case: str) -> None:
+def check_rms_norm(
+    ops: OpTable, device: torch.device, dtype: torch.dtype, hidden: int, case: str, rows: int = 7
+) -> None:
     gen = generator(case)
-    x, w = randn(gen, 7, hidden), 1 + randn(gen, hidden, scale=0.1)
-    res = randn(gen, 7, hidden)
+    x, w = randn(gen, rows, hidden), 1 + randn(gen, hidden, scale=0.1)
+    res = randn(gen, rows, hidden)
     ref = reference_ops()
     poison_device_memory(device)
     out = ops.rms_norm(_on(x, device, dtype), _on(w, device, dtype), 1e-6)
@@ -252,6 +254,14 @@ def _contiguous_reference_cache(
     return cache, table
 
 
+def decode_query_std(shape: MLAShape) -> float:
+    """The spread of random decode queries that gives attention logits of unit spread (the cached rows
+    are unit normal over L + R dims; the softmax scale is (nope + rope) ** -0.5): attention peaked
+    enough that a wrong scale or a wrong key moves an output row well past the bf16 tolerance, where
+    near-uniform attention would average such bugs away (queries of spread 0.1 hid a 5% scale error)."""
+    return math.sqrt((shape.nope + shape.rope) / (shape.kv_lora_rank + shape.rope))
+
+
 @nan_filled_memory()
 def check_mla_decode(
     ops: OpTable,
@@ -271,8 +281,9 @@ def check_mla_decode(
     batch = PagedBatch(ops, device, dtype, shape, seq_lens, gen)
     ref_cache, ref_table = _contiguous_reference_cache(shape, dtype, seq_lens, batch)
     num_tokens = sum(query_lens)
-    q_nope = randn(gen, num_tokens, shape.heads, shape.kv_lora_rank, scale=0.1)
-    q_pe = randn(gen, num_tokens, shape.heads, shape.rope, scale=0.1)
+    q_std = decode_query_std(shape)
+    q_nope = randn(gen, num_tokens, shape.heads, shape.kv_lora_rank, scale=q_std)
+    q_pe = randn(gen, num_tokens, shape.heads, shape.rope, scale=q_std)
     qsl = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32)
     lens = torch.tensor(seq_lens, dtype=torch.int32)
     scale = (shape.nope + shape.rope) ** -0.5
