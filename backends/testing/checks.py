@@ -148,6 +148,7 @@ def check_kv_cache(
         torch.tensor([-1], dtype=torch.int64, device=device),
     )
     order = torch.randperm(batch.slots.numel(), generator=gen)
+    poison_device_memory(device)
     kv_c, k_pe = ops.kv_cache_gather(batch.cache, _on(batch.slots[order], device), shape.kv_lora_rank)
     assert_close(f"kv_cache.latent[{case}]", kv_c, _rounded(batch.latent[order], dtype), dtype)
     assert_close(f"kv_cache.rope[{case}]", k_pe, _rounded(batch.rope[order], dtype), dtype)
@@ -336,6 +337,7 @@ def check_moe_route(
     logits = randn(gen, 33, shape.experts)
     bias = randn(gen, shape.experts, scale=0.1) if topk_method == "noaux_tc" else None
     args = (shape.top_k, shape.n_group, shape.topk_group, scoring_func, topk_method, renormalize, 2.5)
+    poison_device_memory(device)
     weights, ids = ops.moe_route(_on(logits, device), None if bias is None else _on(bias, device), *args)
     ref_w, ref_ids = reference_ops().moe_route(logits, bias, *args)
     weights, ids = _sorted_routing(weights, ids)
@@ -404,6 +406,7 @@ def check_ep_single_rank(
     tokens = 10
     hidden = randn(gen, tokens, shape.hidden)
     weights, ids = random_routing(gen, tokens, shape.experts, shape.top_k)
+    poison_device_memory(device)
     dispatched = ops.ep_dispatch(
         _on(hidden, device, dtype), _on(ids, device), _on(weights, device), shape.experts, None
     )
@@ -425,6 +428,7 @@ def check_sample(ops: OpTable, device: torch.device, case: str) -> None:
     seeds = torch.randint(-(2**62), 2**62, (rows,), generator=gen)
     offsets = torch.randint(0, 4096, (rows,), generator=gen)
     args = (temperature, top_k, top_p, min_p, seeds, offsets)
+    poison_device_memory(device)
     out = ops.sample(_on(logits, device), *(_on(a, device) for a in args))
     ref = reference_ops().sample(logits, *args)
     if out.dtype != torch.int64:
