@@ -82,6 +82,7 @@ class BlockTable:
                 self.entries_written += len(ids) - row.written
                 row.written = len(ids)
             rows[i] = row.index
+        self._trim_log()  # with no step table kept (steps without decode requests) the log stays empty
         return rows
 
     def step_table(self, rows: np.ndarray, width: int, device: torch.device) -> Tensor:

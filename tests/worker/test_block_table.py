@@ -78,3 +78,13 @@ def test_stale_step_tables_are_dropped_not_caught_up_forever() -> None:
     assert not any(
         np.array_equal(t.rows, table.update(ids[:1], [blocks[ids[0]]])) for t in table._step_tables
     )
+
+
+def test_steps_without_a_step_table_keep_no_write_log() -> None:
+    """A prefill-only worker never asks for a decode step table: nothing may pile up for one."""
+    table = BlockTable()
+    blocks = {"r0": [0]}
+    for step in range(100):
+        blocks["r0"].append(step + 1)
+        table.update(["r0"], [blocks["r0"]])
+    assert table._log == []
