@@ -116,6 +116,6 @@ def _engine_step_work(context: int) -> dict[str, float]:
     return {name: statistics.median(values) for name, values in per_step.items()}
 
 
-@pytest.mark.slow  # ~25 s on two quiet cores (32k prompt tokens, then bytecode-traced steps); minutes under load
+@pytest.mark.slow  # ~20 s on two cores (32k prompt tokens, then bytecode-traced steps); minutes under load
 def test_decode_step_host_work_is_flat_in_the_context() -> None:
     _assert_flat(_engine_step_work(100), _engine_step_work(4000))
