@@ -240,18 +240,14 @@ class CoreLog:
         return cls(adds, [s for s in steps if s["t0"] >= start - 1e-3 and s["t0"] <= end])
 
     def in_send_order(self, served: Served) -> list[str]:
-        """The core's ids of the trace's requests, matched to the client's in send order (the core
-        takes them in the order they arrive; each match is checked on the prompt's length)."""
-        ids = sorted(self.adds, key=lambda rid: self.adds[rid]["t"])
-        if len(ids) != len(served.prompts):
-            raise RuntimeError(f"the core took {len(ids)} requests during a trace of {len(served.prompts)}")
-        order = sorted(range(len(served.sends)), key=served.sends.__getitem__)
-        matched = [""] * len(ids)
-        for rid, i in zip(ids, order):
-            if self.adds[rid]["prompt"] != len(served.prompts[i]):
-                raise RuntimeError(f"core request {rid} does not match the client's request {i}")
-            matched[i] = rid
-        return matched
+        """The core's ids of the trace's requests, matched to the client's in send order: the core
+        takes them in about the order they were sent (two sent close together may swap), so each
+        add, in the order taken, goes to the earliest-sent unmatched request of its prompt length."""
+        if len(self.adds) != len(served.prompts):
+            raise RuntimeError(
+                f"the core took {len(self.adds)} requests during a trace of {len(served.prompts)}"
+            )
+        return _match_adds(self, served, sorted(range(len(served.sends)), key=served.sends.__getitem__))
 
     def first_step_end(self) -> dict[str, float]:
         """Core request id -> the end of the step that produced its first output token."""
@@ -361,13 +357,22 @@ def _decode_ids(served: Served, prefill: CoreLog, decode: CoreLog) -> list[str]:
     earliest prefilled, unmatched request with its prompt length."""
     prefill_ids = prefill.in_send_order(served)
     done = prefill.first_step_end()
-    pending = sorted(range(len(prefill_ids)), key=lambda i: done.get(prefill_ids[i], float("inf")))
-    out = [""] * len(prefill_ids)
-    for rid in sorted(decode.adds, key=lambda r: decode.adds[r]["t"]):
-        n = decode.adds[rid]["prompt"]
+    return _match_adds(
+        decode, served, sorted(range(len(prefill_ids)), key=lambda i: done.get(prefill_ids[i], float("inf")))
+    )
+
+
+def _match_adds(log: CoreLog, served: Served, pending: list[int]) -> list[str]:
+    """``log``'s request ids per request of ``served`` (in send order): each add, in the order the
+    core took them, goes to the first unmatched request of ``pending`` (the order they should come
+    in) with its prompt's length."""
+    out = [""] * len(served.prompts)
+    pending = list(pending)
+    for rid in sorted(log.adds, key=lambda r: log.adds[r]["t"]):
+        n = log.adds[rid]["prompt"]
         i = next((i for i in pending if len(served.prompts[i]) == n), None)
         if i is None:
-            raise RuntimeError(f"decode request {rid} ({n} prompt tokens) matches no prefilled request")
+            raise RuntimeError(f"core request {rid} ({n} prompt tokens) matches no request of the trace")
         pending.remove(i)
         out[i] = rid
     return out
@@ -438,31 +443,21 @@ def errors(measured: dict, simulated: dict) -> dict[str, float]:
 # ---------------------------------------------------------------------------------- the run
 def run_validation(
     model_dir: str, calibration: TraceSpec, validation: TraceSpec, settings: ServerSettings,
-    setups: tuple[str, ...] = SETUPS,
+    setups: tuple[str, ...] = SETUPS, keep: Path | None = None,
 ) -> dict:  # fmt: skip
     """Both traces through each setup, the fits on the calibration trace, the simulator on both;
-    returns the report (see the module docstring)."""
+    returns the report (see the module docstring). ``keep``: a folder to record the run in (the
+    cores' step logs and ``run.json``: what the client saw), which :func:`recheck` fits and
+    simulates again without serving."""
     from deepinfer.backends.reference.cache import BLOCK_SIZE
-    from deepinfer.bench.workload import heldout_stream
-    from deepinfer.tokenizer import Tokenizer
     from deepinfer.worker import calibration as engine_calibration
 
     for setup in setups:
         if setup not in SETUPS:
             raise ValueError(f"setups: {setup!r} is not one of {SETUPS}")
     model = Path(model_dir).name
-    stream = heldout_stream(Tokenizer(Path(model_dir)))
-    config = json.loads((Path(model_dir) / "config.json").read_text())
-    layers = config["num_hidden_layers"] + config.get("num_nextn_predict_layers", 0)  # MTP layers cache too
-    kv_bytes_per_token = (config["kv_lora_rank"] + config["qk_rope_head_dim"]) * 4 * layers
-    num_blocks = int(settings.kv_cache_memory_gib * (1 << 30)) // (BLOCK_SIZE * kv_bytes_per_token)
-    knobs = EngineKnobs(
-        num_blocks=num_blocks, block_size=BLOCK_SIZE, max_num_seqs=settings.max_num_seqs,
-        max_num_batched_tokens=settings.max_num_batched_tokens,
-        step_time_budget_s=settings.step_time_budget_ms / 1e3, max_model_len=1 << 20,
-    )  # fmt: skip
     traces = {"calibration": calibration, "validation": validation}
-    prompts = {name: build_prompts(stream, spec) for name, spec in traces.items()}
+    stream, prompts = _prompts(model_dir, traces)
     work = Path(tempfile.mkdtemp(prefix="deepinfer-simval-"))
     # A cache folder of its own, so that the servers calibrate their cost model afresh, sharing the
     # compiled CPU kernels of the usual one (building them takes minutes on a loaded host).
@@ -473,8 +468,9 @@ def run_validation(
     # One engine thread per core (steadier on a shared host); one start-up calibration for all servers.
     env = {"DEEPINFER_CACHE_DIR": str(work / "cache"), "DEEPINFER_NUM_THREADS": "1",
            "DEEPINFER_STEP_LOG_DIR": str(work / "steps")}  # fmt: skip
-    out: dict = {"settings": settings.args(), "server_env": {"DEEPINFER_NUM_THREADS": "1"},
-                 "num_blocks": num_blocks}  # fmt: skip
+    record: dict = {"model_dir": model_dir, "settings": asdict(settings), "BLOCK_SIZE": BLOCK_SIZE,
+                    "traces": {n: asdict(t) for n, t in traces.items()}, "setups": {}}  # fmt: skip
+    out: dict = {}
     try:
         for setup in setups:
             started = time.perf_counter()
@@ -490,13 +486,79 @@ def run_validation(
                 startup = StepCostModel.load(
                     engine_calibration.cache_path("cpu", "cpu", Path(model_dir), "float32")
                 )
+            record["setups"][setup] = {
+                "cores": pids, "startup_cost_model": asdict(startup),
+                "served": {n: {"sends": s.sends, "results": [asdict(r) for r in s.results],
+                               "load_average": s.load_average} for n, s in served.items()},
+            }  # fmt: skip
             logs = {name: {role: CoreLog.read(work / "steps", pid, s.start, s.end) for role, pid in pids.items()}
                     for name, s in served.items()}  # fmt: skip
-            out[setup] = _check_setup(served, logs, traces, startup, knobs, kv_bytes_per_token, BLOCK_SIZE)
+            out[setup] = _check_setup(served, logs, traces, startup, _knobs(model_dir, settings),
+                                      _kv_bytes_per_token(model_dir), BLOCK_SIZE)  # fmt: skip
             out[setup]["wall_s"] = time.perf_counter() - started
     finally:
+        if keep is not None and (work / "steps").is_dir():
+            shutil.copytree(work / "steps", keep / "steps", dirs_exist_ok=True)
+            (keep / "run.json").write_text(json.dumps(record))
         shutil.rmtree(work, ignore_errors=True)
-    return out
+    return {"settings": settings.args(), "server_env": {"DEEPINFER_NUM_THREADS": "1"},
+            "num_blocks": _knobs(model_dir, settings).num_blocks, **out}  # fmt: skip
+
+
+def recheck(folder: Path) -> dict:
+    """The report of a run recorded by :func:`run_validation` (``keep=folder``), fitted and
+    simulated again from its step logs and client results: no server runs."""
+    from deepinfer.bench.serve import RequestResult
+
+    record = json.loads((folder / "run.json").read_text())
+    model_dir, settings = record["model_dir"], ServerSettings(**record["settings"])
+    traces = {
+        n: TraceSpec(**{**t, "suffix_len": tuple(t["suffix_len"])}) for n, t in record["traces"].items()
+    }
+    _, prompts = _prompts(model_dir, traces)
+    out: dict = {}
+    for setup, r in record["setups"].items():
+        served = {
+            n: Served(prompts[n], s["sends"], [RequestResult(**x) for x in s["results"]], s["load_average"])
+            for n, s in r["served"].items()
+        }  # fmt: skip
+        logs = {name: {role: CoreLog.read(folder / "steps", pid, s.start, s.end) for role, pid in r["cores"].items()}
+                for name, s in served.items()}  # fmt: skip
+        startup = StepCostModel(**r["startup_cost_model"])
+        out[setup] = _check_setup(served, logs, traces, startup, _knobs(model_dir, settings),
+                                  _kv_bytes_per_token(model_dir), record["BLOCK_SIZE"])  # fmt: skip
+    return {"settings": settings.args(), "server_env": {"DEEPINFER_NUM_THREADS": "1"},
+            "num_blocks": _knobs(model_dir, settings).num_blocks, **out}  # fmt: skip
+
+
+def _prompts(model_dir: str, traces: dict[str, TraceSpec]) -> tuple[list[int], dict[str, list[list[int]]]]:
+    """The held-out token stream and each trace's prompts."""
+    from deepinfer.bench.workload import heldout_stream
+    from deepinfer.tokenizer import Tokenizer
+
+    stream = heldout_stream(Tokenizer(Path(model_dir)))
+    return stream, {name: build_prompts(stream, spec) for name, spec in traces.items()}
+
+
+def _kv_bytes_per_token(model_dir: str) -> int:
+    """The reference backend's KV cache bytes per token (float32 latent + rope rows, every layer)."""
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    layers = config["num_hidden_layers"] + config.get("num_nextn_predict_layers", 0)  # MTP layers cache too
+    return (config["kv_lora_rank"] + config["qk_rope_head_dim"]) * 4 * layers
+
+
+def _knobs(model_dir: str, settings: ServerSettings) -> EngineKnobs:
+    """The simulated engine's settings: the servers' (``settings``) and their KV cache's size."""
+    from deepinfer.backends.reference.cache import BLOCK_SIZE
+
+    num_blocks = int(settings.kv_cache_memory_gib * (1 << 30)) // (
+        BLOCK_SIZE * _kv_bytes_per_token(model_dir)
+    )
+    return EngineKnobs(
+        num_blocks=num_blocks, block_size=BLOCK_SIZE, max_num_seqs=settings.max_num_seqs,
+        max_num_batched_tokens=settings.max_num_batched_tokens,
+        step_time_budget_s=settings.step_time_budget_ms / 1e3, max_model_len=1 << 20,
+    )  # fmt: skip
 
 
 def _check_setup(
