@@ -187,23 +187,34 @@ def _warm(url: str, model: str, stream: list[int]) -> None:
 
 
 @contextlib.contextmanager
-def _aggregated(model_dir: str, settings: ServerSettings) -> Iterator[tuple[str, dict[str, int]]]:
-    """One ``deepinfer serve``; yields its URL and {"both": its core's pid}."""
-    import httpx
-
+def _aggregated(
+    model_dir: str, settings: ServerSettings
+) -> Iterator[tuple[str, dict[str, tuple[int, dict]]]]:
+    """One ``deepinfer serve``; yields its URL and {"both": (its core's pid, its scheduler's cost
+    model)}."""
     from deepinfer.bench.serve import launch
 
     with launch(model_dir, settings.args()) as url:
-        health = httpx.get(f"{url}/health", timeout=10).json()
-        yield url, {"both": next(iter(health["engine_cores"].values()))}
+        yield url, {"both": _core(url)}
+
+
+def _core(worker_url: str) -> tuple[int, dict]:
+    """A server's engine core pid and the cost model its scheduler cuts prompt chunks with (the
+    core's start-up calibration, which differs from start to start on a busy host)."""
+    import httpx
+
+    health = httpx.get(f"{worker_url}/health", timeout=10).json()
+    load = httpx.get(f"{worker_url}/load", timeout=10).json()
+    return next(iter(health["engine_cores"].values())), load["cost_model"]
 
 
 @contextlib.contextmanager
 def _disaggregated(
     model_dir: str, settings: ServerSettings, work: Path
-) -> Iterator[tuple[str, dict[str, int]]]:
+) -> Iterator[tuple[str, dict[str, tuple[int, dict]]]]:
     """``deepinfer cluster`` with one prefill and one decode worker (one thread each), every prompt
-    through both; yields the router's URL and {role: that worker's core pid}. SIGTERM at the end."""
+    through both; yields the router's URL and {role: that worker's (core pid, scheduler cost model)}
+    (see :func:`_core`). SIGTERM at the end."""
     import httpx
 
     from deepinfer.router.cluster import cluster_process
@@ -213,13 +224,13 @@ def _disaggregated(
             "--worker-kv-cache-gib", str(settings.kv_cache_memory_gib),
             f"--serve-args={' '.join(settings.args(with_cache=False))}", "--log-level", "warning"]  # fmt: skip
     with cluster_process(args, work / "cluster.log", "P/D cluster") as url:
-        pids = {}
-        for worker_url, status in httpx.get(f"{url}/router/workers", timeout=10).json().items():
-            health = httpx.get(f"{worker_url}/health", timeout=10).json()
-            pids[status["role"]] = next(iter(health["engine_cores"].values()))
-        if sorted(pids) != ["decode", "prefill"]:
-            raise RuntimeError(f"the P/D cluster's workers are {pids}, not one prefill and one decode")
-        yield url, pids
+        cores = {status["role"]: _core(worker_url)
+                 for worker_url, status in httpx.get(f"{url}/router/workers", timeout=10).json().items()}  # fmt: skip
+        if sorted(cores) != ["decode", "prefill"]:
+            raise RuntimeError(
+                f"the P/D cluster's workers are {sorted(cores)}, not one prefill and one decode"
+            )
+        yield url, cores
 
 
 # ---------------------------------------------------------------------------------- the step logs
@@ -450,7 +461,6 @@ def run_validation(
     cores' step logs and ``run.json``: what the client saw), which :func:`recheck` fits and
     simulates again without serving."""
     from deepinfer.backends.reference.cache import BLOCK_SIZE
-    from deepinfer.worker import calibration as engine_calibration
 
     for setup in setups:
         if setup not in SETUPS:
@@ -478,16 +488,15 @@ def run_validation(
                 servers = _aggregated(model_dir, settings) if setup == "aggregated" else _disaggregated(
                     model_dir, settings, work
                 )  # fmt: skip
-                with servers as (url, pids):
+                with servers as (url, cores):
                     _warm(url, model, stream)
                     served = {
                         name: serve_trace(url, model, prompts[name], spec) for name, spec in traces.items()
                     }
-                startup = StepCostModel.load(
-                    engine_calibration.cache_path("cpu", "cpu", Path(model_dir), "float32")
-                )
+            pids = {role: pid for role, (pid, _) in cores.items()}
+            startup = {role: StepCostModel(**model) for role, (_, model) in cores.items()}
             record["setups"][setup] = {
-                "cores": pids, "startup_cost_model": asdict(startup),
+                "cores": pids, "startup_cost_models": {role: asdict(m) for role, m in startup.items()},
                 "served": {n: {"sends": s.sends, "results": [asdict(r) for r in s.results],
                                "load_average": s.load_average} for n, s in served.items()},
             }  # fmt: skip
@@ -524,7 +533,7 @@ def recheck(folder: Path) -> dict:
         }  # fmt: skip
         logs = {name: {role: CoreLog.read(folder / "steps", pid, s.start, s.end) for role, pid in r["cores"].items()}
                 for name, s in served.items()}  # fmt: skip
-        startup = StepCostModel(**r["startup_cost_model"])
+        startup = {role: StepCostModel(**m) for role, m in r["startup_cost_models"].items()}
         out[setup] = _check_setup(served, logs, traces, startup, _knobs(model_dir, settings),
                                   _kv_bytes_per_token(model_dir), record["BLOCK_SIZE"])  # fmt: skip
     return {"settings": settings.args(), "server_env": {"DEEPINFER_NUM_THREADS": "1"},
@@ -563,9 +572,10 @@ def _knobs(model_dir: str, settings: ServerSettings) -> EngineKnobs:
 
 def _check_setup(
     served: dict[str, Served], logs: dict[str, dict[str, CoreLog]], traces: dict[str, TraceSpec],
-    startup: StepCostModel, knobs: EngineKnobs, kv_bytes_per_token: float, block_size: int,
+    startup: dict[str, StepCostModel], knobs: EngineKnobs, kv_bytes_per_token: float, block_size: int,
 ) -> dict:  # fmt: skip
-    """Fit on the calibration trace, simulate both traces, compare."""
+    """Fit on the calibration trace, simulate both traces, compare (``startup``: each role's
+    scheduler cost model, the one its server's engine cut prompt chunks with)."""
     cal, cal_logs = served["calibration"], logs["calibration"]
     roles = list(cal_logs)
     fits = {role: fit_served_steps(cal_logs[role]) for role in roles}
@@ -575,11 +585,11 @@ def _check_setup(
         fit_handoff(cal, cal_logs["prefill"], cal_logs["decode"], block_size) if "prefill" in roles else None
     )
     pools = [
-        PoolConfig(role, 1, 1, CalibratedCost(startup, p, r, summary.pop("jitter")), knobs)
+        PoolConfig(role, 1, 1, CalibratedCost(startup[role], p, r, summary.pop("jitter")), knobs)
         for role, (p, r, summary) in fits.items()
     ]
     result: dict = {
-        "startup_cost_model": asdict(startup),
+        "startup_cost_models": {role: asdict(m) for role, m in startup.items()},
         "fitted_on_calibration": {
             "front": front,
             "handoff": handoff,
@@ -598,7 +608,7 @@ def _check_setup(
             "load_average_before_after": s.load_average,
             "engine_busy_s": {"measured_step_time": busy, "simulated_period": simulated["busy_s"]},
             "step_model_check": {
-                role: step_errors(logs[name][role], *fits[role][:2], startup) for role in roles
+                role: step_errors(logs[name][role], *fits[role][:2], startup[role]) for role in roles
             },
             "measured": measured,
             "simulated": simulated["figures"],
