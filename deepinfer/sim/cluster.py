@@ -13,7 +13,8 @@ does.
 A request is routed by the serving router's own code (:mod:`deepinfer.sim.routing`: its policies and
 load bookkeeping, fed by simulated load polls): with a ``prefill`` and a ``decode`` pool a prompt of
 at least ``min_disaggregated_tokens`` goes to a prefill rank and, chosen at the same time, a decode
-rank (two hops); a shorter one goes straight to a decode rank, which computes it too. Its prompt's leading blocks found in the rank's device cache count as device hits, the next
+rank (two hops), after waiting in the router's prefill queue (late binding) as long as the router
+would have it wait; a shorter one goes straight to a decode rank, which computes it too. Its prompt's leading blocks found in the rank's device cache count as device hits, the next
 ones held by a lower tier (host, store) are loaded (taking the tier's read time) into free device
 blocks, and the rest is computed. A prefill worker computes the prompt and samples the first token;
 the KV then moves to the decode rank the router chose (``kv_transfer_bytes_per_s``), lands there as cached blocks, and the decode rank generates the rest. Finished requests write their
@@ -33,6 +34,7 @@ from deepinfer.engine.request import Request
 from deepinfer.engine.scheduler import Scheduler, SchedulerConfig
 from deepinfer.router.config import RouterConfig
 from deepinfer.router.policies import TwoHop
+from deepinfer.router.prefill_queue import QueueFull
 from deepinfer.router.roles import Role
 from deepinfer.sampling_params import SamplingParams
 from deepinfer.sim.costs import ForwardCost
@@ -104,6 +106,7 @@ class RequestTrace:
     token_times: list[float] = field(default_factory=list)
     finished_s: float | None = None
     hit_tokens: dict[str, int] = field(default_factory=dict)  # tier -> prompt tokens not recomputed
+    rejected: bool = False  # the router's prefill queue was full (the router answers 429)
 
 
 class _Rank:
@@ -248,7 +251,18 @@ class Simulation:
         prompt = arrival.token_ids()
         outputs = arrival.output_token_ids()
         self._requests[arrival.request_id] = (arrival, outputs)
-        route = self.router.route(arrival.request_id, len(prompt), arrival.output_tokens, self.env.now)
+        if self.router.late(len(prompt)):
+            try:
+                route = yield from self.router.place(
+                    self.env, arrival.request_id, len(prompt), arrival.output_tokens
+                )
+            except QueueFull:  # the router answers 429: the request is never served
+                trace.rejected = True
+                self._open -= 1
+                self._check_drained()
+                return
+        else:
+            route = self.router.route(arrival.request_id, len(prompt), arrival.output_tokens, self.env.now)
         if isinstance(route, TwoHop):
             self._decode_url[arrival.request_id] = route.decode.url
             worker, rank = self._by_url[route.prefill.url]

@@ -428,7 +428,9 @@ def simulate(
                  "kv_transfer_bytes_per_s": kv_bytes_per_token / per_token if per_token > 0 else float("inf")}  # fmt: skip
     config = ClusterConfig(
         pools, admission_delay_s=front["admission_delay_s"], delivery_delay_s=front["delivery_delay_s"],
-        router=RouterConfig(min_disaggregated_tokens=0), **extra,
+        # Every prompt takes both hops; the aggregated server has no router in front (no prefill queue).
+        router=RouterConfig(min_disaggregated_tokens=0, **({} if handoff else {"prefill_queue_limit": 0})),
+        **extra,
     )  # fmt: skip
     sim = Simulation(config)
     sim.run(arrivals, until=1e6)
