@@ -1,6 +1,8 @@
 """The validation's fits, on synthetic step logs whose true costs are known (the real runs against a
 served engine are in test_slow.py), and the simulator's handoff as our router makes it."""
 
+import re
+
 import pytest
 
 from deepinfer.bench.serve import RequestResult
@@ -93,3 +95,21 @@ def test_a_wait_for_a_kv_load_is_no_steps_period() -> None:
     period, _, summary = fit_served_steps(CoreLog(adds, steps))
     assert summary["median_loop_gap_s"] == pytest.approx(GAP_S)
     assert period.predict([(1, 215)]) == pytest.approx(TRUE.predict([(1, 215)]) + GAP_S, rel=0.02)
+
+
+def test_requests_sent_close_together_are_matched_by_prompt_length() -> None:
+    """Two requests sent 1 ms apart may reach the core in either order: each add goes to the
+    earliest-sent unmatched request of its prompt's length; a length the trace lacks is an error."""
+    prompts = [[0] * 300, [0] * 200, [0] * 300]
+    served = Served(prompts, [0.0, 0.001, 0.002], [RequestResult()] * 3, ((0.0,), (0.0,)))
+    adds = {
+        "a": {"t": 0.010, "prompt": 200},
+        "b": {"t": 0.011, "prompt": 300},
+        "c": {"t": 0.012, "prompt": 300},
+    }
+    assert CoreLog(adds, []).in_send_order(served) == ["b", "a", "c"]
+    adds["c"]["prompt"] = 100
+    with pytest.raises(
+        RuntimeError, match=re.escape("core request c (100 prompt tokens) matches no request")
+    ):
+        CoreLog(adds, []).in_send_order(served)
