@@ -21,7 +21,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -157,31 +157,37 @@ def workers_running(
 
 @contextlib.contextmanager
 def cluster_process(
-    args: Sequence[str], log: Path, what: str = "cluster", ready_s: float = 300.0
+    args: Sequence[str],
+    log: Path,
+    what: str = "cluster",
+    ready_s: float = 300.0,
+    env: Mapping[str, str] | None = None,
 ) -> Iterator[str]:
     """``deepinfer cluster --port <free port> *args`` as a child process (its own session; SIGTERM if
-    this process dies), stdout and stderr in ``log``. Yields the router's URL once its ``/health`` is
-    ok; on exit SIGTERM, then after 60 s SIGKILL of its process group. Raises if it exits or is not
-    healthy within ``ready_s``, naming ``what`` with the log's tail."""
+    this process dies; ``env``: its environment, default this process's), stdout and stderr in
+    ``log``. Yields the router's URL once its ``/health`` is ok; on exit SIGTERM, then after 60 s
+    SIGKILL of its process group. Raises if it exits or is not healthy within ``ready_s``, naming
+    ``what`` with the log's tail."""
     import httpx  # the caller's side only: the engine path never imports an HTTP client
 
     port = free_port()
     cmd = [sys.executable, "-m", "deepinfer.cli", "cluster", "--port", str(port), *args]
     with open(log, "wb") as out:
         process = subprocess.Popen(
-            cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=_die_with_parent
-        )
+            cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=_die_with_parent,
+            env=None if env is None else dict(env),
+        )  # fmt: skip
     url = f"http://{LOOPBACK}:{port}"
     try:
         deadline = time.monotonic() + ready_s
         while True:
             if process.poll() is not None:
-                raise RuntimeError(f"the {what} exited:\n{log.read_text()[-2000:]}")
+                raise RuntimeError(f"the {what} exited ({process.returncode}):\n{log.read_text()[-3000:]}")
             with contextlib.suppress(httpx.HTTPError, ValueError):
                 if httpx.get(f"{url}/health", timeout=2).json()["status"] == "ok":
                     break
             if time.monotonic() > deadline:
-                raise TimeoutError(f"the {what} was not healthy in {ready_s:g} s")
+                raise TimeoutError(f"the {what} was not healthy in {ready_s:g} s:\n{log.read_text()[-3000:]}")
             time.sleep(0.5)
         yield url
     finally:

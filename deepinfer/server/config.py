@@ -39,6 +39,12 @@ class ServerConfig(BaseModel):
         description="on SIGTERM/SIGINT: how long in-flight requests may finish before they are cut",
     )
     restart_engine: bool = Field(False, description="restart a dead engine core instead of exiting non-zero")
+    front_nice: int = Field(
+        10,
+        ge=0,
+        le=19,
+        description="nice increment of the API front's threads (0: off; Linux; see priority.py)",
+    )
     timeout_keep_alive_s: float = Field(5.0, gt=0, description="close connections idle this long")
     body_timeout_s: float = Field(30.0, gt=0, description="a request body must arrive within this time: 408")
     log_level: str = "info"

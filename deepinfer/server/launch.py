@@ -98,6 +98,13 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help="restart the engine core if it dies (default: exit non-zero so an orchestrator restarts us)",
     )
     parser.add_argument(
+        "--front-nice",
+        type=int,
+        default=_default(ServerConfig, "front_nice"),
+        help="raise the API front's nice value by this much, so HTTP work yields the CPU to the engine "
+        "cores (0-19; 0: off; Linux)",
+    )
+    parser.add_argument(
         "--timeout-keep-alive",
         type=float,
         default=_default(ServerConfig, "timeout_keep_alive_s"),
@@ -209,6 +216,7 @@ def server_config(args: argparse.Namespace, model: Path) -> ServerConfig:
         request_timeout_s=args.request_timeout,
         drain_timeout_s=args.drain_timeout,
         restart_engine=args.restart_engine,
+        front_nice=args.front_nice,
         timeout_keep_alive_s=args.timeout_keep_alive,
         body_timeout_s=args.body_timeout,
         log_level=args.log_level,
@@ -272,6 +280,7 @@ def _serve(
     from deepinfer.core.launch import CoreProcess, CoreSpec
     from deepinfer.router.worker import Registration, advertised_url, worker_role
     from deepinfer.server.app import build_app
+    from deepinfer.server.priority import CoreSpawner, lower_front_priority
     from deepinfer.server.runner import IdleTimeoutHttpToolsProtocol, Server, run
     from deepinfer.tokenizer import Tokenizer
 
@@ -279,9 +288,10 @@ def _serve(
     tokenizer = Tokenizer(tokenizer_dir) if (tokenizer_dir / "tokenizer.json").is_file() else None
     front = os.getpid()
     holder: dict[str, Server] = {}
+    spawner = CoreSpawner()  # engine cores start from its thread, at this process's original priority
     client = EngineClient(
-        lambda engine_id, address: CoreProcess(
-            CoreSpec(engine_id=engine_id, address=address, parent_pid=front, engine=engine)
+        lambda engine_id, address: spawner.run(
+            CoreProcess, CoreSpec(engine_id=engine_id, address=address, parent_pid=front, engine=engine)
         ),
         tokenizer,
         config.max_queued_requests,
@@ -312,6 +322,10 @@ def _serve(
             f"{info.num_kv_blocks} KV blocks of {info.block_size} tokens"
         )
 
+    lower_front_priority(config.front_nice, keep={spawner.native_id})
     if register_with:
         Registration(register_with, advertised_url(config.host, port)).start()
-    return uvloop.run(run(server, client, [sock], banner))  # libuv's loop: less front CPU per event
+    try:
+        return uvloop.run(run(server, client, [sock], banner))  # libuv's loop: less front CPU per event
+    finally:
+        spawner.close()

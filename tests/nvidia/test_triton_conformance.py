@@ -25,6 +25,8 @@ triton = pytest.importorskip("triton")
 tl = triton.language
 
 ON_GPU = DEVICE.type == "cuda"
+# the whole suite in Triton's interpreter takes minutes on 2 cores: a slow test there (CI runs it too)
+slow_in_interpreter = pytest.mark.slow if not ON_GPU else pytest.mark.usefixtures()
 
 
 def test_every_op_is_implemented_here(cuda_ops) -> None:
@@ -34,6 +36,7 @@ def test_every_op_is_implemented_here(cuda_ops) -> None:
         assert cuda_ops.implementation(name).__module__.startswith("deepinfer.ops_cuda."), name
 
 
+@slow_in_interpreter
 def test_conformance_suite_passes(tmp_path: Path) -> None:
     """The whole suite (small and DeepSeek-V3 attention shapes; MoE sizes reduced) in a subprocess,
     run the way a vendor runs it; about a minute in the interpreter on two cores. In the interpreter

@@ -6,8 +6,6 @@ import contextlib
 import os
 import re
 import signal
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -15,13 +13,12 @@ from pathlib import Path
 
 import httpx
 
-from deepinfer.router.cluster import free_port
+from deepinfer.router.cluster import cluster_process
 
 
 @dataclass
 class Cluster:
     url: str
-    process: subprocess.Popen
     log: Path
     workers: dict[str, dict] = field(default_factory=dict)  # url -> {"role", "pid"}
 
@@ -62,44 +59,20 @@ def _alive(pid: int) -> bool:
 def running_cluster(tmp_path: Path, *args: str, timeout_s: float = 180.0) -> Iterator[Cluster]:
     """``deepinfer cluster ARGS`` with 1-thread workers; yields once the router's /health is ok;
     stops it with SIGTERM and checks that no worker outlives it."""
-    port = free_port()
     log = tmp_path / "cluster.log"
-    cmd = [sys.executable, "-m", "deepinfer.cli", "cluster", "--port", str(port), "--kv-store-path",
-           str(tmp_path / "store"), "--worker-threads", "1", "--worker-kv-cache-gib", "0.25", "--log-level",
-           "warning", *args]  # fmt: skip
+    args = ("--kv-store-path", str(tmp_path / "store"), "--worker-threads", "1", "--worker-kv-cache-gib", "0.25",
+            "--log-level", "warning", *args)  # fmt: skip
     # the reference CPU ops: these tests are about routing, and starting many workers at once must not
     # wait on (or, killed mid-start, leave behind) a lock on the shared build of the native kernels
     env = {**os.environ, "DEEPINFER_CPU_BACKEND": "reference"}
-    with open(log, "wb") as out:
-        process = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env=env)
-    cluster = Cluster(f"http://127.0.0.1:{port}", process, log)
+    workers: dict[str, dict] = {}
     try:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            if process.poll() is not None:
-                raise RuntimeError(
-                    f"deepinfer cluster exited ({process.returncode}):\n{log.read_text()[-3000:]}"
-                )
-            with contextlib.suppress(httpx.HTTPError, ValueError):
-                if cluster.health()["status"] == "ok":
-                    break
-            if time.monotonic() > deadline:
-                raise TimeoutError(
-                    f"the cluster was not healthy in {timeout_s} s:\n{log.read_text()[-3000:]}"
-                )
-            time.sleep(0.25)
-        for m in re.finditer(r"(\w+) worker pid (\d+) at (\S+)", log.read_text()):
-            cluster.workers[m.group(3)] = {"role": m.group(1), "pid": int(m.group(2))}
-        yield cluster
+        with cluster_process(args, log, "deepinfer cluster", timeout_s, env) as url:
+            for m in re.finditer(r"(\w+) worker pid (\d+) at (\S+)", log.read_text()):
+                workers[m.group(3)] = {"role": m.group(1), "pid": int(m.group(2))}
+            yield Cluster(url, log, workers)
     finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(process.pid, signal.SIGTERM)
-        try:
-            process.wait(timeout=40)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
-        for w in cluster.workers.values():  # stop_workers reaped them: none may be left
+        for w in workers.values():  # stop_workers reaped them: none may be left
             deadline = time.monotonic() + 10
             while _alive(w["pid"]) and time.monotonic() < deadline:
                 time.sleep(0.1)

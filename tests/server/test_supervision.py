@@ -146,7 +146,12 @@ def test_a_killed_engine_core_fails_every_stream_and_the_server_exits_non_zero(d
 
 @pytest.mark.slow
 def test_with_restart_engine_the_server_serves_again(deepseek_model: Path) -> None:
+    """Also: the front runs at nice +10 (its default --front-nice), its engine core, restarted too,
+    at the priority the server was started with."""
+    base = os.nice(0)
     with serve(deepseek_model, "--restart-engine") as served:
+        assert os.getpriority(os.PRIO_PROCESS, served.proc.pid) == min(19, base + 10)
+        assert os.getpriority(os.PRIO_PROCESS, served.core_pid()) == base
         seen = {}
 
         async def kill() -> None:
@@ -165,6 +170,7 @@ def test_with_restart_engine_the_server_serves_again(deepseek_model: Path) -> No
         assert all(s.ended_at - killed < 5 for s in streams), [s.ended_at - killed for s in streams]
         assert served.wait_healthy(30) < 30
         assert served.core_pid() != seen["core"] and not alive(seen["core"])
+        assert os.getpriority(os.PRIO_PROCESS, served.core_pid()) == base
         reply = httpx.post(
             f"{served.url}/v1/chat/completions", json={"model": NAME, "messages": USER, "max_tokens": 4}
         )
