@@ -6,7 +6,9 @@ Writes bench/results/sim_validation.json and prints the tables.
     PYTHONPATH=$PWD .venv/bin/python bench/sim_validate.py   # est. 6-7 min on a quiet host (443 s for
                                                               # --num-requests 32 at load 8-11)
 
-The report gives the host's load average around each trace.
+The report gives the host's load average around each trace. ``--setups disaggregated --num-requests
+40`` is the smallest run that shows the P/D case (about 2.5 min); ``--keep DIR`` records the run (step
+logs, client results) and ``--recheck DIR`` fits and simulates it again in seconds, serving nothing.
 """
 
 from __future__ import annotations

@@ -26,11 +26,15 @@ runner's share, and each request's arrival at the core. From the *calibration tr
   with the request, fitted as a latency plus a per-token cost over the tokens handed over.
 
 The simulator then replays both traces (the measured send times as arrivals) with the engine's
-scheduler and the servers' start-up cost model for chunking, the fitted step models as the clock,
-and the router's own policies; nothing is refitted on the held-out trace. The report has, per setup
+scheduler cutting prompt chunks with each server's own start-up cost model (read from its ``GET
+/load``: two workers calibrating at one start differ), the fitted step models as the clock, and the
+router's own policies and late-binding prefill queue (P/D only: the aggregated server has no router
+in front); nothing is refitted on the held-out trace. The report has, per setup
 and trace, TTFT p50/p90, TPOT p50/p90 and output throughput, measured and simulated, and their
 errors; the step models' error on the held-out trace's own steps; and how the served steps compare
 with the start-up calibration the old validation used alone (the reason it was pessimistic).
+:func:`run_validation` can record a run (``keep``: the step logs and what the client saw) for
+:func:`recheck` to fit and simulate again without serving.
 """
 
 from __future__ import annotations
