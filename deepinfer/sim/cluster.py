@@ -67,10 +67,16 @@ class PoolConfig:
     ranks_per_worker: int  # simulated DP ranks of each group
     cost: ForwardCost
     knobs: EngineKnobs
+    # A step that starts while a worker of another pool is in a step takes (1 + this) times its cost:
+    # pools sharing one host's cores and memory (the validation's P/D workers on one machine). 0:
+    # each worker has its own chips, as in a deployment.
+    host_contention: float = 0.0
 
     def __post_init__(self) -> None:
         if self.workers < 1 or self.ranks_per_worker < 1:
             raise ValueError(f"a {self.role} pool needs workers >= 1 and ranks_per_worker >= 1")
+        if self.host_contention < 0:
+            raise ValueError(f"a {self.role} pool's host_contention must be >= 0, got {self.host_contention}")
 
 
 @dataclass(slots=True)
@@ -149,6 +155,7 @@ class _Worker:
             _Rank(first_rank + i, role, pool.knobs, pool.cost) for i in range(pool.ranks_per_worker)
         ]
         self.wake: simpy.Event | None = None
+        self.stepping = False
         self.steps = 0
         self.busy_s = 0.0
         self.balance_sum = 0.0
@@ -167,13 +174,20 @@ class _Worker:
                 self.wake = None
                 continue
             work = [[(r.num_new_tokens, r.num_computed_tokens) for r in o.requests] for o in outputs]
-            seconds = self.pool.cost.step_seconds(work)
+            scale = (
+                1 + self.pool.host_contention
+                if self.pool.host_contention and self.sim.stepping_besides(self)
+                else 1
+            )
+            seconds = self.pool.cost.step_seconds(work) * scale
+            self.stepping = True
             yield self.env.timeout(seconds)
+            self.stepping = False
             self.steps += 1
             self.busy_s += seconds
             tokens = [sum(n for n, _ in w) for w in work]
             self.balance_sum += (sum(tokens) / len(tokens)) / max(tokens)
-            runner_s = self.pool.cost.runner_seconds(work)
+            runner_s = self.pool.cost.runner_seconds(work) * scale
             for rank, output in zip(self.ranks, outputs):
                 rank.busy_s += seconds
                 rank.scheduler.observe_step_time(output, runner_s)
@@ -205,6 +219,10 @@ class Simulation:
         self._open = 0  # requests admitted and not finished
         self._arriving = True
         self._drained = self.env.event()
+
+    def stepping_besides(self, worker: _Worker) -> bool:
+        """Whether a worker of another pool than ``worker``'s is in a step now."""
+        return any(w.stepping for role, ws in self.pools.items() if role != worker.pool.role for w in ws)
 
     # ------------------------------------------------------------------ driving
     def run(self, arrivals: Iterable[Arrival], until: float, sample_every_s: float = 60.0) -> None:

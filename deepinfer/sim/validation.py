@@ -40,6 +40,7 @@ with the start-up calibration the old validation used alone (the reason it was p
 from __future__ import annotations
 
 import asyncio
+import bisect
 import contextlib
 import json
 import os
@@ -49,7 +50,7 @@ import statistics
 import tempfile
 import time
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -243,7 +244,11 @@ class CoreLog:
     """One engine core's step log, cut to one trace's time window."""
 
     adds: dict[str, dict]  # core request id -> {"t", "prompt"}
-    steps: list[dict]  # {"t0", "t1", "forward_s", "work", "ids", "first"}
+    steps: list[dict]  # {"t0", "t1", "forward_s", "work", "ids", "first"}, in order
+    _starts: list[float] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self._starts = [s["t0"] for s in self.steps]
 
     @classmethod
     def read(cls, folder: Path, pid: int, start: float, end: float) -> CoreLog:
@@ -286,17 +291,29 @@ class CoreLog:
         decode worker it waits for its KV to load first, and that wait is no step's time."""
         return k + 1 < len(self.steps) and not set(self.steps[k]["ids"]).isdisjoint(self.steps[k + 1]["ids"])
 
+    def stepping_at(self, t: float) -> bool:
+        """Whether the core was in a step at time ``t``."""
+        k = bisect.bisect_right(self._starts, t) - 1
+        return k >= 0 and self.steps[k]["t1"] > t
+
     def idle_at(self, t: float, until: float) -> bool:
         """Whether no step ran at any time in (t, until): none delayed a request sent at ``t`` and
         taken at ``until``."""
         return not any(s["t0"] < until and s["t1"] > t for s in self.steps)
 
 
-def fit_served_steps(log: CoreLog) -> tuple[StepCostModel, StepCostModel, dict]:
+def fit_served_steps(log: CoreLog, peer: CoreLog | None = None) -> tuple[StepCostModel, StepCostModel, dict]:
     """The served step's period and the runner's share, fitted to ``log``'s steps (see the module
     docstring). A step's period runs to the next step's start when the core went straight on (the
     next step carries on a request this one ran: ``CoreLog.went_straight_on``); otherwise, to its own
-    end plus the median of those gaps. Returns (period model, runner model, fit summary)."""
+    end plus the median of those gaps.
+
+    ``peer``: another engine core on the same host (the P/D setup's other worker). A step that starts
+    while the peer is in a step shares the host's cores and memory with it; its times are taken to be
+    ``1 + contention`` times the uncontended ones, ``contention`` (>= 0) fitted with the models: the
+    mean measured over predicted runner time of such steps, over that of the others, minus one.
+    Returns (period model, runner model, fit summary with ``contention`` and the jitter: measured
+    over predicted runner times, the contention factor included)."""
     steps = log.steps
     if len(steps) < 10:
         raise RuntimeError(f"only {len(steps)} served steps in the calibration trace; too few to fit")
@@ -310,10 +327,24 @@ def fit_served_steps(log: CoreLog) -> tuple[StepCostModel, StepCostModel, dict]:
     gap = statistics.median(gaps) if gaps else 0.0
     periods = [p if p is not None else s["t1"] - s["t0"] + gap for p, s in zip(periods, steps)]
     works = [[tuple(w) for w in s["work"]] for s in steps]
-    period = StepCostModel.fit_mean(list(zip(works, periods)), "served step period")
-    runner = StepCostModel.fit_mean([(w, s["forward_s"]) for w, s in zip(works, steps)], "served runner")
-    jitter = tuple(s["forward_s"] / runner.predict(w) for w, s in zip(works, steps))
-    summary = {"steps": len(steps), "median_loop_gap_s": gap, "jitter": jitter,
+    shared = np.array([peer is not None and peer.stepping_at(s["t0"]) for s in steps])
+    contention = 0.0
+    for _ in range(3):  # alternate: the models given the factor, the factor given the models
+        scale = 1 + contention * shared
+        runner = StepCostModel.fit_mean(
+            [(w, s["forward_s"] / f) for w, s, f in zip(works, steps, scale)], "served runner"
+        )
+        if not shared.any() or shared.all():
+            break
+        ratio = np.array([s["forward_s"] / runner.predict(w) for w, s in zip(works, steps)])
+        contention = max(0.0, float(ratio[shared].mean() / ratio[~shared].mean()) - 1)
+    scale = 1 + contention * shared
+    period = StepCostModel.fit_mean(
+        [(w, p / f) for w, p, f in zip(works, periods, scale)], "served step period"
+    )
+    jitter = tuple(s["forward_s"] / (runner.predict(w) * f) for w, s, f in zip(works, steps, scale))
+    summary = {"steps": len(steps), "median_loop_gap_s": gap, "jitter": jitter, "contention": contention,
+               "steps_sharing_the_host": int(shared.sum()),
                "median_host_s": statistics.median(s["t1"] - s["t0"] - s["forward_s"] for s in steps)}  # fmt: skip
     return period, runner, summary
 
@@ -584,14 +615,23 @@ def _check_setup(
     scheduler cost model, the one its server's engine cut prompt chunks with)."""
     cal, cal_logs = served["calibration"], logs["calibration"]
     roles = list(cal_logs)
-    fits = {role: fit_served_steps(cal_logs[role]) for role in roles}
+    # The P/D setup's two workers share this host: each one's peer is the other.
+    peers = {"prefill": "decode", "decode": "prefill"}
+    fits = {role: fit_served_steps(cal_logs[role], cal_logs.get(peers.get(role, ""))) for role in roles}
     first, last = (cal_logs["both"],) * 2 if roles == ["both"] else (cal_logs["prefill"], cal_logs["decode"])
     front = fit_front(cal, first, last)
     handoff = (
         fit_handoff(cal, cal_logs["prefill"], cal_logs["decode"], block_size) if "prefill" in roles else None
     )
     pools = [
-        PoolConfig(role, 1, 1, CalibratedCost(startup[role], p, r, summary.pop("jitter")), knobs)
+        PoolConfig(
+            role,
+            1,
+            1,
+            CalibratedCost(startup[role], p, r, summary.pop("jitter")),
+            knobs,
+            host_contention=summary["contention"],
+        )
         for role, (p, r, summary) in fits.items()
     ]
     result: dict = {

@@ -113,3 +113,26 @@ def test_requests_sent_close_together_are_matched_by_prompt_length() -> None:
         RuntimeError, match=re.escape("core request c (100 prompt tokens) matches no request")
     ):
         CoreLog(adds, []).in_send_order(served)
+
+
+def test_host_contention_with_a_peer_core_is_fitted_apart_from_the_step_costs() -> None:
+    """Decode steps that start while the peer core (the other worker on the host) is in a step take
+    1.5x: the fit finds contention 0.5 and the uncontended costs; without the peer it cannot."""
+    steps, peer_steps, t = [], [], 0.0
+    for k in range(200):
+        work = [(1, 200 + k)] * (1 + k % 3)
+        shared = k % 4 == 0
+        if shared:
+            peer_steps.append({"t0": t - 1e-3, "t1": t + 1e-3, "forward_s": 2e-3, "work": [(500, 0)],
+                               "ids": [f"p{k}"], "first": []})  # fmt: skip
+        forward = TRUE.predict(work) * (1.5 if shared else 1.0)
+        steps.append({"t0": t, "t1": t + forward, "forward_s": forward, "work": work, "ids": ["c0", "c1", "c2"][: len(work)],
+                      "first": []})  # fmt: skip
+        t += forward + GAP_S
+    log, peer = CoreLog({}, steps), CoreLog({}, peer_steps)
+    period, runner, summary = fit_served_steps(log, peer)
+    assert summary["contention"] == pytest.approx(0.5, rel=0.02)
+    assert summary["steps_sharing_the_host"] == 50
+    assert runner.predict([(1, 300)] * 2) == pytest.approx(TRUE.predict([(1, 300)] * 2), rel=0.02)
+    assert period.predict([(1, 300)]) == pytest.approx(TRUE.predict([(1, 300)]) + GAP_S, rel=0.05)
+    assert fit_served_steps(log)[2]["contention"] == 0.0
