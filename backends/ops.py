@@ -207,8 +207,9 @@ def mla_decode(
     ``cat(latent_j, rope_j)`` (L + R wide) and its value is ``latent_j`` (L wide).
     q_nope: [T, H, L] (the nope query already multiplied by W_UK); q_pe: [T, H, R] (rotated);
     kv_cache: this layer's tensors, already holding the new tokens' rows; block_table: [B, M] int32
-    physical block ids per request; seq_lens: [B] int32 total tokens per request INCLUDING its new
-    query tokens; query_start_loc: [B+1] int32 prefix sums of query tokens per request (1 for plain
+    physical block ids per request (M may exceed the longest request's blocks: columns past a
+    request's blocks hold arbitrary ids and are never read); seq_lens: [B] int32 total tokens per
+    request INCLUDING its new query tokens; query_start_loc: [B+1] int32 prefix sums of query tokens per request (1 for plain
     decode, 1 + drafts for verification); max_query_len: the largest per-request query count.
     Query ``i`` of request ``b`` (``n_b`` queries) sits at position ``p = seq_lens[b] - n_b + i`` and
     attends cached positions ``j <= p`` (and ``j > p - W`` with ``sliding_window = W``). Softmax in

@@ -6,7 +6,9 @@ Writes bench/results/sim_validation.json and prints the tables.
     PYTHONPATH=$PWD .venv/bin/python bench/sim_validate.py   # est. 6-7 min on a quiet host (443 s for
                                                               # --num-requests 32 at load 8-11)
 
-The report gives the host's load average around each trace.
+The report gives the host's load average around each trace. ``--setups disaggregated --num-requests
+40`` is the smallest run that shows the P/D case (about 2.5 min); ``--keep DIR`` records the run (step
+logs, client results) and ``--recheck DIR`` fits and simulates it again in seconds, serving nothing.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import time
 from pathlib import Path
 
 from deepinfer.model_zoo import default_model_path
-from deepinfer.sim.validation import SETUPS, ServerSettings, TraceSpec, run_validation
+from deepinfer.sim.validation import SETUPS, ServerSettings, TraceSpec, recheck, run_validation
 
 
 def main() -> None:
@@ -28,6 +30,10 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--setups", nargs="+", choices=SETUPS, default=list(SETUPS))
     parser.add_argument("--out", default="bench/results/sim_validation.json")
+    parser.add_argument("--keep", type=Path, help="record the run (step logs, client results) in this folder")
+    parser.add_argument(
+        "--recheck", type=Path, help="fit and simulate a run recorded with --keep again; serve nothing"
+    )
     args = parser.parse_args()
     common = {
         "num_requests": args.num_requests,
@@ -36,19 +42,23 @@ def main() -> None:
     }
     start = time.perf_counter()
     load = os.getloadavg()
-    result = run_validation(
-        str(default_model_path()),
-        TraceSpec(seed=1, **common),
-        TraceSpec(seed=2, **common),
-        ServerSettings(),
-        tuple(args.setups),
-    )
+    if args.recheck is not None:
+        result = recheck(args.recheck)
+    else:
+        result = run_validation(
+            str(default_model_path()),
+            TraceSpec(seed=1, **common),
+            TraceSpec(seed=2, **common),
+            ServerSettings(),
+            tuple(args.setups),
+            args.keep,
+        )
     result["wall_s"] = time.perf_counter() - start
     result["load_average_start_end"] = (load, os.getloadavg())
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2))
     print(f"wall {result['wall_s']:.0f} s; load average at start {load}, at end {os.getloadavg()}")
-    for setup in args.setups:
+    for setup in [s for s in SETUPS if s in result]:
         r = result[setup]
         fits = r["fitted_on_calibration"]
         print(f"\n{setup}: fitted on the calibration trace: front {fits['front']}; handoff {fits['handoff']}")

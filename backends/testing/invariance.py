@@ -93,34 +93,35 @@ def check_rowwise_small_ops(
     table: OpTable, device: torch.device, dtype: torch.dtype, hidden: int, case: str
 ) -> None:
     """rms_norm, add_rms_norm, silu_and_mul, linear (2-D and per-head)."""
-    ops, gen = Deterministic(table), generator(case)
+    ops, gen, oracle = Deterministic(table), generator(case), reference_ops()
     w = (1 + randn(gen, hidden, scale=0.1)).to(device, dtype)
-    _rowwise(
-        "rms_norm",
-        ops.rms_norm,
-        [randn(gen, 1, hidden)],
-        lambda m: [randn(gen, m, hidden)],
-        gen,
-        device,
-        dtype,
-        (w, 1e-6),
+    w_ref = w.float().cpu()
+
+    def rounded(xs: Sequence[Tensor]) -> list[Tensor]:
+        return [x.to(dtype).float() for x in xs]
+
+    needle = [randn(gen, 1, hidden)]
+    got = _rowwise(
+        "rms_norm", ops.rms_norm, needle, lambda m: [randn(gen, m, hidden)], gen, device, dtype, (w, 1e-6)
     )
-    _rowwise(
+    assert_close(
+        f"rms_norm(deterministic)[{case}]", got, oracle.rms_norm(*rounded(needle), w_ref, 1e-6), dtype
+    )
+    needle = [randn(gen, 1, hidden), randn(gen, 1, hidden)]
+    got = _rowwise(
         "add_rms_norm",
         ops.add_rms_norm,
-        [randn(gen, 1, hidden), randn(gen, 1, hidden)],
+        needle,
         lambda m: [randn(gen, m, hidden), randn(gen, m, hidden)],
         gen, device, dtype, (w, 1e-6),
     )  # fmt: skip
-    _rowwise(
-        "silu_and_mul",
-        ops.silu_and_mul,
-        [randn(gen, 1, 2 * hidden)],
-        lambda m: [randn(gen, m, 2 * hidden)],
-        gen,
-        device,
-        dtype,
+    want = oracle.add_rms_norm(*rounded(needle), w_ref, 1e-6)[0]
+    assert_close(f"add_rms_norm(deterministic)[{case}]", got, want, dtype)
+    needle = [randn(gen, 1, 2 * hidden)]
+    got = _rowwise(
+        "silu_and_mul", ops.silu_and_mul, needle, lambda m: [randn(gen, m, 2 * hidden)], gen, device, dtype
     )
+    assert_close(f"silu_and_mul(deterministic)[{case}]", got, oracle.silu_and_mul(*rounded(needle)), dtype)
     out_features = 3 * hidden // 2
     weight = randn(gen, out_features, hidden, scale=hidden**-0.5).to(device, dtype)
     bias = randn(gen, out_features).to(device, dtype)
@@ -160,7 +161,11 @@ def check_rope(table: OpTable, device: torch.device, dtype: torch.dtype, shape: 
             torch.randint(0, 4096, (m,), generator=gen),
         ]
 
-    _rowwise("rope", ops.rope, rows(1), rows, gen, device, dtype, (cache, True))
+    needle = rows(1)
+    got = _rowwise("rope", ops.rope, needle, rows, gen, device, dtype, (cache, True))
+    q, k, positions = needle
+    want = reference_ops().rope(q.to(dtype).float(), k.to(dtype).float(), positions, cache.cpu(), True)[0]
+    assert_close(f"rope(deterministic)[{case}]", got, want, dtype)
 
 
 def check_moe(table: OpTable, device: torch.device, dtype: torch.dtype, shape: MoEShape, case: str) -> None:
@@ -258,16 +263,16 @@ def check_attention(
     """mla_decode: a query token alone (decode), among its request's other new tokens (chunk or
     verification) and among other requests; mla_prefill: a request alone and among other requests;
     kv_cache_write / kv_cache_gather on the way."""
-    from deepinfer.backends.testing.checks import PagedBatch
+    from deepinfer.backends.testing.checks import PagedBatch, decode_query_std
 
     ops, gen = Deterministic(table), generator(case)
     lens = [int(x) for x in torch.randint(1, 150, (32,), generator=gen)]
     lens[0] = 133  # the needle request
     batch = PagedBatch(ops, device, dtype, shape, lens, gen)
-    scale = (shape.nope + shape.rope) ** -0.5
+    scale, q_std = (shape.nope + shape.rope) ** -0.5, decode_query_std(shape)
     chunk = 9  # the needle's last 9 tokens as new queries
-    q_nope = randn(gen, chunk, shape.heads, shape.kv_lora_rank, scale=0.1)
-    q_pe = randn(gen, chunk, shape.heads, shape.rope, scale=0.1)
+    q_nope = randn(gen, chunk, shape.heads, shape.kv_lora_rank, scale=q_std)
+    q_pe = randn(gen, chunk, shape.heads, shape.rope, scale=q_std)
 
     def decode(req: list[int], seq: list[int], queries: list[int], qn: Tensor, qp: Tensor) -> Tensor:
         qsl = torch.tensor([0, *torch.tensor(queries).cumsum(0).tolist()], dtype=torch.int32)
@@ -307,9 +312,11 @@ def check_attention(
         reqs.insert(pos, 0)
         queries = [chunk if r == 0 else 1 for r in reqs]
         qn = torch.cat(
-            [q_nope if r == 0 else randn(gen, 1, shape.heads, shape.kv_lora_rank, scale=0.1) for r in reqs]
+            [q_nope if r == 0 else randn(gen, 1, shape.heads, shape.kv_lora_rank, scale=q_std) for r in reqs]
         )
-        qp = torch.cat([q_pe if r == 0 else randn(gen, 1, shape.heads, shape.rope, scale=0.1) for r in reqs])
+        qp = torch.cat(
+            [q_pe if r == 0 else randn(gen, 1, shape.heads, shape.rope, scale=q_std) for r in reqs]
+        )
         out = decode(reqs, [lens[r] for r in reqs], queries, qn, qp)
         _bits_equal("mla_decode", full, out[pos : pos + chunk], f"{count} mates, needle at {pos}")
 

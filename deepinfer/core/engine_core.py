@@ -179,10 +179,13 @@ class EngineCore:
 
     def _step(self) -> list[m.RequestDelta]:
         started = time.monotonic()
+        before = self.engine.last_step
         outputs = self.engine.step()
         ended = time.monotonic()
         self._busy_s += ended - started
-        if self._step_log is None:
+        # A step that scheduled nothing (a KV load pending, or the last requests just finished) ran
+        # no batch: not logged, else it would repeat the step before it.
+        if self._step_log is None or self.engine.last_step is before:
             return self._deltas(outputs, started)
         unstarted = {rid for rid, sent in self._sent.items() if not any(sent)}
         deltas = self._deltas(outputs, started)

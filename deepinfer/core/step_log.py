@@ -11,7 +11,8 @@ Events:
 
 - ``{"add": id, "t": s, "prompt": tokens}``: the core took a request (from its queue, between steps).
 - ``{"t0": s, "t1": s, "forward_s": s, "work": [[new, cached], ...], "ids": [id, ...],
-  "first": [id, ...]}``: one step: the engine's ``step()`` ran from ``t0`` to ``t1``, of which
+  "first": [id, ...]}``: one step that ran a batch (a ``step()`` that scheduled nothing is not
+  logged): the engine's ``step()`` ran from ``t0`` to ``t1``, of which
   ``forward_s`` was the model runner's (inputs, forward, sampling); ``work`` holds each scheduled
   request's new and already-cached tokens (``ids`` in the same order); ``first`` lists the requests
   whose first output token this step produced.

@@ -22,7 +22,7 @@ class DecodeMetadata:
     """Arguments of ``ops.mla_decode`` for the first ``num_tokens`` tokens of the step."""
 
     num_tokens: int
-    block_table: Tensor  # [B, max_blocks] int32
+    block_table: Tensor  # [B, >= max_blocks] int32; kept across steps, updated in place (BlockTable)
     seq_lens: Tensor  # [B] int32, including this step's tokens
     query_start_loc: Tensor  # [B+1] int32
     max_query_len: int

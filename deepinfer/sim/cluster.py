@@ -13,7 +13,8 @@ does.
 A request is routed by the serving router's own code (:mod:`deepinfer.sim.routing`: its policies and
 load bookkeeping, fed by simulated load polls): with a ``prefill`` and a ``decode`` pool a prompt of
 at least ``min_disaggregated_tokens`` goes to a prefill rank and, chosen at the same time, a decode
-rank (two hops); a shorter one goes straight to a decode rank, which computes it too. Its prompt's leading blocks found in the rank's device cache count as device hits, the next
+rank (two hops), after waiting in the router's prefill queue (late binding) as long as the router
+would have it wait; a shorter one goes straight to a decode rank, which computes it too. Its prompt's leading blocks found in the rank's device cache count as device hits, the next
 ones held by a lower tier (host, store) are loaded (taking the tier's read time) into free device
 blocks, and the rest is computed. A prefill worker computes the prompt and samples the first token;
 the KV then moves to the decode rank the router chose (``kv_transfer_bytes_per_s``), lands there as cached blocks, and the decode rank generates the rest. Finished requests write their
@@ -33,6 +34,7 @@ from deepinfer.engine.request import Request
 from deepinfer.engine.scheduler import Scheduler, SchedulerConfig
 from deepinfer.router.config import RouterConfig
 from deepinfer.router.policies import TwoHop
+from deepinfer.router.prefill_queue import QueueFull
 from deepinfer.router.roles import Role
 from deepinfer.sampling_params import SamplingParams
 from deepinfer.sim.costs import ForwardCost
@@ -65,10 +67,16 @@ class PoolConfig:
     ranks_per_worker: int  # simulated DP ranks of each group
     cost: ForwardCost
     knobs: EngineKnobs
+    # A step that starts while a worker of another pool is in a step takes (1 + this) times its cost:
+    # pools sharing one host's cores and memory (the validation's P/D workers on one machine). 0:
+    # each worker has its own chips, as in a deployment.
+    host_contention: float = 0.0
 
     def __post_init__(self) -> None:
         if self.workers < 1 or self.ranks_per_worker < 1:
             raise ValueError(f"a {self.role} pool needs workers >= 1 and ranks_per_worker >= 1")
+        if self.host_contention < 0:
+            raise ValueError(f"a {self.role} pool's host_contention must be >= 0, got {self.host_contention}")
 
 
 @dataclass(slots=True)
@@ -104,6 +112,7 @@ class RequestTrace:
     token_times: list[float] = field(default_factory=list)
     finished_s: float | None = None
     hit_tokens: dict[str, int] = field(default_factory=dict)  # tier -> prompt tokens not recomputed
+    rejected: bool = False  # the router's prefill queue was full (the router answers 429)
 
 
 class _Rank:
@@ -146,6 +155,7 @@ class _Worker:
             _Rank(first_rank + i, role, pool.knobs, pool.cost) for i in range(pool.ranks_per_worker)
         ]
         self.wake: simpy.Event | None = None
+        self.stepping = False
         self.steps = 0
         self.busy_s = 0.0
         self.balance_sum = 0.0
@@ -164,13 +174,20 @@ class _Worker:
                 self.wake = None
                 continue
             work = [[(r.num_new_tokens, r.num_computed_tokens) for r in o.requests] for o in outputs]
-            seconds = self.pool.cost.step_seconds(work)
+            scale = (
+                1 + self.pool.host_contention
+                if self.pool.host_contention and self.sim.stepping_besides(self)
+                else 1
+            )
+            seconds = self.pool.cost.step_seconds(work) * scale
+            self.stepping = True
             yield self.env.timeout(seconds)
+            self.stepping = False
             self.steps += 1
             self.busy_s += seconds
             tokens = [sum(n for n, _ in w) for w in work]
             self.balance_sum += (sum(tokens) / len(tokens)) / max(tokens)
-            runner_s = self.pool.cost.runner_seconds(work)
+            runner_s = self.pool.cost.runner_seconds(work) * scale
             for rank, output in zip(self.ranks, outputs):
                 rank.busy_s += seconds
                 rank.scheduler.observe_step_time(output, runner_s)
@@ -202,6 +219,10 @@ class Simulation:
         self._open = 0  # requests admitted and not finished
         self._arriving = True
         self._drained = self.env.event()
+
+    def stepping_besides(self, worker: _Worker) -> bool:
+        """Whether a worker of another pool than ``worker``'s is in a step now."""
+        return any(w.stepping for role, ws in self.pools.items() if role != worker.pool.role for w in ws)
 
     # ------------------------------------------------------------------ driving
     def run(self, arrivals: Iterable[Arrival], until: float, sample_every_s: float = 60.0) -> None:
@@ -248,7 +269,18 @@ class Simulation:
         prompt = arrival.token_ids()
         outputs = arrival.output_token_ids()
         self._requests[arrival.request_id] = (arrival, outputs)
-        route = self.router.route(arrival.request_id, len(prompt), arrival.output_tokens, self.env.now)
+        if self.router.late(len(prompt)):
+            try:
+                route = yield from self.router.place(
+                    self.env, arrival.request_id, len(prompt), arrival.output_tokens
+                )
+            except QueueFull:  # the router answers 429: the request is never served
+                trace.rejected = True
+                self._open -= 1
+                self._check_drained()
+                return
+        else:
+            route = self.router.route(arrival.request_id, len(prompt), arrival.output_tokens, self.env.now)
         if isinstance(route, TwoHop):
             self._decode_url[arrival.request_id] = route.decode.url
             worker, rank = self._by_url[route.prefill.url]

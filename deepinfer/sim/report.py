@@ -61,6 +61,7 @@ def summarise(sim: Simulation, warmup_s: float, end_s: float, chips: float) -> d
     return {
         "requests_finished": len(done),
         "requests_arrived": len(measured),
+        "requests_rejected": sum(t.rejected for t in measured),
         "window_s": window,
         "ttft_s": _stats(ttft),
         "tpot_s": _stats(tpot),

@@ -26,16 +26,21 @@ runner's share, and each request's arrival at the core. From the *calibration tr
   with the request, fitted as a latency plus a per-token cost over the tokens handed over.
 
 The simulator then replays both traces (the measured send times as arrivals) with the engine's
-scheduler and the servers' start-up cost model for chunking, the fitted step models as the clock,
-and the router's own policies; nothing is refitted on the held-out trace. The report has, per setup
+scheduler cutting prompt chunks with each server's own start-up cost model (read from its ``GET
+/load``: two workers calibrating at one start differ), the fitted step models as the clock, and the
+router's own policies and late-binding prefill queue (P/D only: the aggregated server has no router
+in front); nothing is refitted on the held-out trace. The report has, per setup
 and trace, TTFT p50/p90, TPOT p50/p90 and output throughput, measured and simulated, and their
 errors; the step models' error on the held-out trace's own steps; and how the served steps compare
 with the start-up calibration the old validation used alone (the reason it was pessimistic).
+:func:`run_validation` can record a run (``keep``: the step logs and what the client saw) for
+:func:`recheck` to fit and simulate again without serving.
 """
 
 from __future__ import annotations
 
 import asyncio
+import bisect
 import contextlib
 import json
 import os
@@ -45,7 +50,7 @@ import statistics
 import tempfile
 import time
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -187,23 +192,34 @@ def _warm(url: str, model: str, stream: list[int]) -> None:
 
 
 @contextlib.contextmanager
-def _aggregated(model_dir: str, settings: ServerSettings) -> Iterator[tuple[str, dict[str, int]]]:
-    """One ``deepinfer serve``; yields its URL and {"both": its core's pid}."""
-    import httpx
-
+def _aggregated(
+    model_dir: str, settings: ServerSettings
+) -> Iterator[tuple[str, dict[str, tuple[int, dict]]]]:
+    """One ``deepinfer serve``; yields its URL and {"both": (its core's pid, its scheduler's cost
+    model)}."""
     from deepinfer.bench.serve import launch
 
     with launch(model_dir, settings.args()) as url:
-        health = httpx.get(f"{url}/health", timeout=10).json()
-        yield url, {"both": next(iter(health["engine_cores"].values()))}
+        yield url, {"both": _core(url)}
+
+
+def _core(worker_url: str) -> tuple[int, dict]:
+    """A server's engine core pid and the cost model its scheduler cuts prompt chunks with (the
+    core's start-up calibration, which differs from start to start on a busy host)."""
+    import httpx
+
+    health = httpx.get(f"{worker_url}/health", timeout=10).json()
+    load = httpx.get(f"{worker_url}/load", timeout=10).json()
+    return next(iter(health["engine_cores"].values())), load["cost_model"]
 
 
 @contextlib.contextmanager
 def _disaggregated(
     model_dir: str, settings: ServerSettings, work: Path
-) -> Iterator[tuple[str, dict[str, int]]]:
+) -> Iterator[tuple[str, dict[str, tuple[int, dict]]]]:
     """``deepinfer cluster`` with one prefill and one decode worker (one thread each), every prompt
-    through both; yields the router's URL and {role: that worker's core pid}. SIGTERM at the end."""
+    through both; yields the router's URL and {role: that worker's (core pid, scheduler cost model)}
+    (see :func:`_core`). SIGTERM at the end."""
     import httpx
 
     from deepinfer.router.cluster import cluster_process
@@ -213,13 +229,13 @@ def _disaggregated(
             "--worker-kv-cache-gib", str(settings.kv_cache_memory_gib),
             f"--serve-args={' '.join(settings.args(with_cache=False))}", "--log-level", "warning"]  # fmt: skip
     with cluster_process(args, work / "cluster.log", "P/D cluster") as url:
-        pids = {}
-        for worker_url, status in httpx.get(f"{url}/router/workers", timeout=10).json().items():
-            health = httpx.get(f"{worker_url}/health", timeout=10).json()
-            pids[status["role"]] = next(iter(health["engine_cores"].values()))
-        if sorted(pids) != ["decode", "prefill"]:
-            raise RuntimeError(f"the P/D cluster's workers are {pids}, not one prefill and one decode")
-        yield url, pids
+        cores = {status["role"]: _core(worker_url)
+                 for worker_url, status in httpx.get(f"{url}/router/workers", timeout=10).json().items()}  # fmt: skip
+        if sorted(cores) != ["decode", "prefill"]:
+            raise RuntimeError(
+                f"the P/D cluster's workers are {sorted(cores)}, not one prefill and one decode"
+            )
+        yield url, cores
 
 
 # ---------------------------------------------------------------------------------- the step logs
@@ -228,7 +244,11 @@ class CoreLog:
     """One engine core's step log, cut to one trace's time window."""
 
     adds: dict[str, dict]  # core request id -> {"t", "prompt"}
-    steps: list[dict]  # {"t0", "t1", "forward_s", "work", "ids", "first"}
+    steps: list[dict]  # {"t0", "t1", "forward_s", "work", "ids", "first"}, in order
+    _starts: list[float] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self._starts = [s["t0"] for s in self.steps]
 
     @classmethod
     def read(cls, folder: Path, pid: int, start: float, end: float) -> CoreLog:
@@ -240,18 +260,14 @@ class CoreLog:
         return cls(adds, [s for s in steps if s["t0"] >= start - 1e-3 and s["t0"] <= end])
 
     def in_send_order(self, served: Served) -> list[str]:
-        """The core's ids of the trace's requests, matched to the client's in send order (the core
-        takes them in the order they arrive; each match is checked on the prompt's length)."""
-        ids = sorted(self.adds, key=lambda rid: self.adds[rid]["t"])
-        if len(ids) != len(served.prompts):
-            raise RuntimeError(f"the core took {len(ids)} requests during a trace of {len(served.prompts)}")
-        order = sorted(range(len(served.sends)), key=served.sends.__getitem__)
-        matched = [""] * len(ids)
-        for rid, i in zip(ids, order):
-            if self.adds[rid]["prompt"] != len(served.prompts[i]):
-                raise RuntimeError(f"core request {rid} does not match the client's request {i}")
-            matched[i] = rid
-        return matched
+        """The core's ids of the trace's requests, matched to the client's in send order: the core
+        takes them in about the order they were sent (two sent close together may swap), so each
+        add, in the order taken, goes to the earliest-sent unmatched request of its prompt length."""
+        if len(self.adds) != len(served.prompts):
+            raise RuntimeError(
+                f"the core took {len(self.adds)} requests during a trace of {len(served.prompts)}"
+            )
+        return _match_adds(self, served, sorted(range(len(served.sends)), key=served.sends.__getitem__))
 
     def first_step_end(self) -> dict[str, float]:
         """Core request id -> the end of the step that produced its first output token."""
@@ -275,17 +291,29 @@ class CoreLog:
         decode worker it waits for its KV to load first, and that wait is no step's time."""
         return k + 1 < len(self.steps) and not set(self.steps[k]["ids"]).isdisjoint(self.steps[k + 1]["ids"])
 
+    def stepping_at(self, t: float) -> bool:
+        """Whether the core was in a step at time ``t``."""
+        k = bisect.bisect_right(self._starts, t) - 1
+        return k >= 0 and self.steps[k]["t1"] > t
+
     def idle_at(self, t: float, until: float) -> bool:
         """Whether no step ran at any time in (t, until): none delayed a request sent at ``t`` and
         taken at ``until``."""
         return not any(s["t0"] < until and s["t1"] > t for s in self.steps)
 
 
-def fit_served_steps(log: CoreLog) -> tuple[StepCostModel, StepCostModel, dict]:
+def fit_served_steps(log: CoreLog, peer: CoreLog | None = None) -> tuple[StepCostModel, StepCostModel, dict]:
     """The served step's period and the runner's share, fitted to ``log``'s steps (see the module
     docstring). A step's period runs to the next step's start when the core went straight on (the
     next step carries on a request this one ran: ``CoreLog.went_straight_on``); otherwise, to its own
-    end plus the median of those gaps. Returns (period model, runner model, fit summary)."""
+    end plus the median of those gaps.
+
+    ``peer``: another engine core on the same host (the P/D setup's other worker). A step that starts
+    while the peer is in a step shares the host's cores and memory with it; its times are taken to be
+    ``1 + contention`` times the uncontended ones, ``contention`` (>= 0) fitted with the models: the
+    mean measured over predicted runner time of such steps, over that of the others, minus one.
+    Returns (period model, runner model, fit summary with ``contention`` and the jitter: measured
+    over predicted runner times, the contention factor included)."""
     steps = log.steps
     if len(steps) < 10:
         raise RuntimeError(f"only {len(steps)} served steps in the calibration trace; too few to fit")
@@ -299,10 +327,24 @@ def fit_served_steps(log: CoreLog) -> tuple[StepCostModel, StepCostModel, dict]:
     gap = statistics.median(gaps) if gaps else 0.0
     periods = [p if p is not None else s["t1"] - s["t0"] + gap for p, s in zip(periods, steps)]
     works = [[tuple(w) for w in s["work"]] for s in steps]
-    period = StepCostModel.fit_mean(list(zip(works, periods)), "served step period")
-    runner = StepCostModel.fit_mean([(w, s["forward_s"]) for w, s in zip(works, steps)], "served runner")
-    jitter = tuple(s["forward_s"] / runner.predict(w) for w, s in zip(works, steps))
-    summary = {"steps": len(steps), "median_loop_gap_s": gap, "jitter": jitter,
+    shared = np.array([peer is not None and peer.stepping_at(s["t0"]) for s in steps])
+    contention = 0.0
+    for _ in range(3):  # alternate: the models given the factor, the factor given the models
+        scale = 1 + contention * shared
+        runner = StepCostModel.fit_mean(
+            [(w, s["forward_s"] / f) for w, s, f in zip(works, steps, scale)], "served runner"
+        )
+        if not shared.any() or shared.all():
+            break
+        ratio = np.array([s["forward_s"] / runner.predict(w) for w, s in zip(works, steps)])
+        contention = max(0.0, float(ratio[shared].mean() / ratio[~shared].mean()) - 1)
+    scale = 1 + contention * shared
+    period = StepCostModel.fit_mean(
+        [(w, p / f) for w, p, f in zip(works, periods, scale)], "served step period"
+    )
+    jitter = tuple(s["forward_s"] / (runner.predict(w) * f) for w, s, f in zip(works, steps, scale))
+    summary = {"steps": len(steps), "median_loop_gap_s": gap, "jitter": jitter, "contention": contention,
+               "steps_sharing_the_host": int(shared.sum()),
                "median_host_s": statistics.median(s["t1"] - s["t0"] - s["forward_s"] for s in steps)}  # fmt: skip
     return period, runner, summary
 
@@ -361,13 +403,22 @@ def _decode_ids(served: Served, prefill: CoreLog, decode: CoreLog) -> list[str]:
     earliest prefilled, unmatched request with its prompt length."""
     prefill_ids = prefill.in_send_order(served)
     done = prefill.first_step_end()
-    pending = sorted(range(len(prefill_ids)), key=lambda i: done.get(prefill_ids[i], float("inf")))
-    out = [""] * len(prefill_ids)
-    for rid in sorted(decode.adds, key=lambda r: decode.adds[r]["t"]):
-        n = decode.adds[rid]["prompt"]
+    return _match_adds(
+        decode, served, sorted(range(len(prefill_ids)), key=lambda i: done.get(prefill_ids[i], float("inf")))
+    )
+
+
+def _match_adds(log: CoreLog, served: Served, pending: list[int]) -> list[str]:
+    """``log``'s request ids per request of ``served`` (in send order): each add, in the order the
+    core took them, goes to the first unmatched request of ``pending`` (the order they should come
+    in) with its prompt's length."""
+    out = [""] * len(served.prompts)
+    pending = list(pending)
+    for rid in sorted(log.adds, key=lambda r: log.adds[r]["t"]):
+        n = log.adds[rid]["prompt"]
         i = next((i for i in pending if len(served.prompts[i]) == n), None)
         if i is None:
-            raise RuntimeError(f"decode request {rid} ({n} prompt tokens) matches no prefilled request")
+            raise RuntimeError(f"core request {rid} ({n} prompt tokens) matches no request of the trace")
         pending.remove(i)
         out[i] = rid
     return out
@@ -412,7 +463,9 @@ def simulate(
                  "kv_transfer_bytes_per_s": kv_bytes_per_token / per_token if per_token > 0 else float("inf")}  # fmt: skip
     config = ClusterConfig(
         pools, admission_delay_s=front["admission_delay_s"], delivery_delay_s=front["delivery_delay_s"],
-        router=RouterConfig(min_disaggregated_tokens=0), **extra,
+        # Every prompt takes both hops; the aggregated server has no router in front (no prefill queue).
+        router=RouterConfig(min_disaggregated_tokens=0, **({} if handoff else {"prefill_queue_limit": 0})),
+        **extra,
     )  # fmt: skip
     sim = Simulation(config)
     sim.run(arrivals, until=1e6)
@@ -438,31 +491,20 @@ def errors(measured: dict, simulated: dict) -> dict[str, float]:
 # ---------------------------------------------------------------------------------- the run
 def run_validation(
     model_dir: str, calibration: TraceSpec, validation: TraceSpec, settings: ServerSettings,
-    setups: tuple[str, ...] = SETUPS,
+    setups: tuple[str, ...] = SETUPS, keep: Path | None = None,
 ) -> dict:  # fmt: skip
     """Both traces through each setup, the fits on the calibration trace, the simulator on both;
-    returns the report (see the module docstring)."""
+    returns the report (see the module docstring). ``keep``: a folder to record the run in (the
+    cores' step logs and ``run.json``: what the client saw), which :func:`recheck` fits and
+    simulates again without serving."""
     from deepinfer.backends.reference.cache import BLOCK_SIZE
-    from deepinfer.bench.workload import heldout_stream
-    from deepinfer.tokenizer import Tokenizer
-    from deepinfer.worker import calibration as engine_calibration
 
     for setup in setups:
         if setup not in SETUPS:
             raise ValueError(f"setups: {setup!r} is not one of {SETUPS}")
     model = Path(model_dir).name
-    stream = heldout_stream(Tokenizer(Path(model_dir)))
-    config = json.loads((Path(model_dir) / "config.json").read_text())
-    layers = config["num_hidden_layers"] + config.get("num_nextn_predict_layers", 0)  # MTP layers cache too
-    kv_bytes_per_token = (config["kv_lora_rank"] + config["qk_rope_head_dim"]) * 4 * layers
-    num_blocks = int(settings.kv_cache_memory_gib * (1 << 30)) // (BLOCK_SIZE * kv_bytes_per_token)
-    knobs = EngineKnobs(
-        num_blocks=num_blocks, block_size=BLOCK_SIZE, max_num_seqs=settings.max_num_seqs,
-        max_num_batched_tokens=settings.max_num_batched_tokens,
-        step_time_budget_s=settings.step_time_budget_ms / 1e3, max_model_len=1 << 20,
-    )  # fmt: skip
     traces = {"calibration": calibration, "validation": validation}
-    prompts = {name: build_prompts(stream, spec) for name, spec in traces.items()}
+    stream, prompts = _prompts(model_dir, traces)
     work = Path(tempfile.mkdtemp(prefix="deepinfer-simval-"))
     # A cache folder of its own, so that the servers calibrate their cost model afresh, sharing the
     # compiled CPU kernels of the usual one (building them takes minutes on a loaded host).
@@ -473,8 +515,9 @@ def run_validation(
     # One engine thread per core (steadier on a shared host); one start-up calibration for all servers.
     env = {"DEEPINFER_CACHE_DIR": str(work / "cache"), "DEEPINFER_NUM_THREADS": "1",
            "DEEPINFER_STEP_LOG_DIR": str(work / "steps")}  # fmt: skip
-    out: dict = {"settings": settings.args(), "server_env": {"DEEPINFER_NUM_THREADS": "1"},
-                 "num_blocks": num_blocks}  # fmt: skip
+    record: dict = {"model_dir": model_dir, "settings": asdict(settings), "BLOCK_SIZE": BLOCK_SIZE,
+                    "traces": {n: asdict(t) for n, t in traces.items()}, "setups": {}}  # fmt: skip
+    out: dict = {}
     try:
         for setup in setups:
             started = time.perf_counter()
@@ -482,42 +525,117 @@ def run_validation(
                 servers = _aggregated(model_dir, settings) if setup == "aggregated" else _disaggregated(
                     model_dir, settings, work
                 )  # fmt: skip
-                with servers as (url, pids):
+                with servers as (url, cores):
                     _warm(url, model, stream)
                     served = {
                         name: serve_trace(url, model, prompts[name], spec) for name, spec in traces.items()
                     }
-                startup = StepCostModel.load(
-                    engine_calibration.cache_path("cpu", "cpu", Path(model_dir), "float32")
-                )
+            pids = {role: pid for role, (pid, _) in cores.items()}
+            startup = {role: StepCostModel(**model) for role, (_, model) in cores.items()}
+            record["setups"][setup] = {
+                "cores": pids, "startup_cost_models": {role: asdict(m) for role, m in startup.items()},
+                "served": {n: {"sends": s.sends, "results": [asdict(r) for r in s.results],
+                               "load_average": s.load_average} for n, s in served.items()},
+            }  # fmt: skip
             logs = {name: {role: CoreLog.read(work / "steps", pid, s.start, s.end) for role, pid in pids.items()}
                     for name, s in served.items()}  # fmt: skip
-            out[setup] = _check_setup(served, logs, traces, startup, knobs, kv_bytes_per_token, BLOCK_SIZE)
+            out[setup] = _check_setup(served, logs, traces, startup, _knobs(model_dir, settings),
+                                      _kv_bytes_per_token(model_dir), BLOCK_SIZE)  # fmt: skip
             out[setup]["wall_s"] = time.perf_counter() - started
     finally:
+        if keep is not None and (work / "steps").is_dir():
+            shutil.copytree(work / "steps", keep / "steps", dirs_exist_ok=True)
+            (keep / "run.json").write_text(json.dumps(record))
         shutil.rmtree(work, ignore_errors=True)
-    return out
+    return {"settings": settings.args(), "server_env": {"DEEPINFER_NUM_THREADS": "1"},
+            "num_blocks": _knobs(model_dir, settings).num_blocks, **out}  # fmt: skip
+
+
+def recheck(folder: Path) -> dict:
+    """The report of a run recorded by :func:`run_validation` (``keep=folder``), fitted and
+    simulated again from its step logs and client results: no server runs."""
+    from deepinfer.bench.serve import RequestResult
+
+    record = json.loads((folder / "run.json").read_text())
+    model_dir, settings = record["model_dir"], ServerSettings(**record["settings"])
+    traces = {
+        n: TraceSpec(**{**t, "suffix_len": tuple(t["suffix_len"])}) for n, t in record["traces"].items()
+    }
+    _, prompts = _prompts(model_dir, traces)
+    out: dict = {}
+    for setup, r in record["setups"].items():
+        served = {
+            n: Served(prompts[n], s["sends"], [RequestResult(**x) for x in s["results"]], s["load_average"])
+            for n, s in r["served"].items()
+        }  # fmt: skip
+        logs = {name: {role: CoreLog.read(folder / "steps", pid, s.start, s.end) for role, pid in r["cores"].items()}
+                for name, s in served.items()}  # fmt: skip
+        startup = {role: StepCostModel(**m) for role, m in r["startup_cost_models"].items()}
+        out[setup] = _check_setup(served, logs, traces, startup, _knobs(model_dir, settings),
+                                  _kv_bytes_per_token(model_dir), record["BLOCK_SIZE"])  # fmt: skip
+    return {"settings": settings.args(), "server_env": {"DEEPINFER_NUM_THREADS": "1"},
+            "num_blocks": _knobs(model_dir, settings).num_blocks, **out}  # fmt: skip
+
+
+def _prompts(model_dir: str, traces: dict[str, TraceSpec]) -> tuple[list[int], dict[str, list[list[int]]]]:
+    """The held-out token stream and each trace's prompts."""
+    from deepinfer.bench.workload import heldout_stream
+    from deepinfer.tokenizer import Tokenizer
+
+    stream = heldout_stream(Tokenizer(Path(model_dir)))
+    return stream, {name: build_prompts(stream, spec) for name, spec in traces.items()}
+
+
+def _kv_bytes_per_token(model_dir: str) -> int:
+    """The reference backend's KV cache bytes per token (float32 latent + rope rows, every layer)."""
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    layers = config["num_hidden_layers"] + config.get("num_nextn_predict_layers", 0)  # MTP layers cache too
+    return (config["kv_lora_rank"] + config["qk_rope_head_dim"]) * 4 * layers
+
+
+def _knobs(model_dir: str, settings: ServerSettings) -> EngineKnobs:
+    """The simulated engine's settings: the servers' (``settings``) and their KV cache's size."""
+    from deepinfer.backends.reference.cache import BLOCK_SIZE
+
+    num_blocks = int(settings.kv_cache_memory_gib * (1 << 30)) // (
+        BLOCK_SIZE * _kv_bytes_per_token(model_dir)
+    )
+    return EngineKnobs(
+        num_blocks=num_blocks, block_size=BLOCK_SIZE, max_num_seqs=settings.max_num_seqs,
+        max_num_batched_tokens=settings.max_num_batched_tokens,
+        step_time_budget_s=settings.step_time_budget_ms / 1e3, max_model_len=1 << 20,
+    )  # fmt: skip
 
 
 def _check_setup(
     served: dict[str, Served], logs: dict[str, dict[str, CoreLog]], traces: dict[str, TraceSpec],
-    startup: StepCostModel, knobs: EngineKnobs, kv_bytes_per_token: float, block_size: int,
+    startup: dict[str, StepCostModel], knobs: EngineKnobs, kv_bytes_per_token: float, block_size: int,
 ) -> dict:  # fmt: skip
-    """Fit on the calibration trace, simulate both traces, compare."""
+    """Fit on the calibration trace, simulate both traces, compare (``startup``: each role's
+    scheduler cost model, the one its server's engine cut prompt chunks with)."""
     cal, cal_logs = served["calibration"], logs["calibration"]
     roles = list(cal_logs)
-    fits = {role: fit_served_steps(cal_logs[role]) for role in roles}
+    # The P/D setup's two workers share this host: each one's peer is the other.
+    peers = {"prefill": "decode", "decode": "prefill"}
+    fits = {role: fit_served_steps(cal_logs[role], cal_logs.get(peers.get(role, ""))) for role in roles}
     first, last = (cal_logs["both"],) * 2 if roles == ["both"] else (cal_logs["prefill"], cal_logs["decode"])
     front = fit_front(cal, first, last)
     handoff = (
         fit_handoff(cal, cal_logs["prefill"], cal_logs["decode"], block_size) if "prefill" in roles else None
     )
     pools = [
-        PoolConfig(role, 1, 1, CalibratedCost(startup, p, r, summary.pop("jitter")), knobs)
+        PoolConfig(
+            role,
+            1,
+            1,
+            CalibratedCost(startup[role], p, r, summary.pop("jitter")),
+            knobs,
+            host_contention=summary["contention"],
+        )
         for role, (p, r, summary) in fits.items()
     ]
     result: dict = {
-        "startup_cost_model": asdict(startup),
+        "startup_cost_models": {role: asdict(m) for role, m in startup.items()},
         "fitted_on_calibration": {
             "front": front,
             "handoff": handoff,
@@ -536,7 +654,7 @@ def _check_setup(
             "load_average_before_after": s.load_average,
             "engine_busy_s": {"measured_step_time": busy, "simulated_period": simulated["busy_s"]},
             "step_model_check": {
-                role: step_errors(logs[name][role], *fits[role][:2], startup) for role in roles
+                role: step_errors(logs[name][role], *fits[role][:2], startup[role]) for role in roles
             },
             "measured": measured,
             "simulated": simulated["figures"],

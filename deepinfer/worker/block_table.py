@@ -7,6 +7,12 @@ holds its blocks): while the same list comes back, only its new tail is copied i
 (the request was freed and re-allocated, or a caller passed a copy) rewrites the row. Rows of
 requests absent from a step stay until a new request needs a row and none is free (so the drafter's
 passes over a subset of the batch, or a request skipped for one step, cost nothing).
+
+The decode attention's block table (``step_table``, on the model's device) is kept the same way: a
+few recent step tables, each a copy of some rows in a step's order, are reused while the same rows
+come back in the same order, with only the row writes made since applied to them. A step table is
+rebuilt (a copy of its rows) only when the batch's rows change or its longest request outgrows its
+width, which is rounded up to a power of two so that this happens a logarithmic number of times.
 """
 
 from __future__ import annotations
@@ -18,6 +24,13 @@ import numpy as np
 import torch
 from torch import Tensor
 
+STEP_TABLES = 4  # step tables kept (the runner's batch and the drafter's passes over parts of it)
+
+
+def _power_of_two(n: int) -> int:
+    """The smallest power of two >= n (n >= 1)."""
+    return 1 << (n - 1).bit_length()
+
 
 @dataclass(slots=True)
 class _Row:
@@ -26,20 +39,32 @@ class _Row:
     written: int  # entries of ``source`` copied into the row
 
 
+@dataclass(slots=True)
+class _StepTable:
+    rows: np.ndarray  # [B] int64 persistent rows, in the step's order
+    position: dict[int, int]  # persistent row -> its index in ``rows``
+    tensor: Tensor  # [B, width] int32 on the device
+    synced: int  # row writes (``BlockTable._log`` positions, absolute) already applied
+
+
 class BlockTable:
     def __init__(self, rows: int = 8, width: int = 16) -> None:
         self.tensor = torch.zeros(rows, width, dtype=torch.int32)  # [rows, width] host, grown by doubling
         self.array = self.tensor.numpy()  # the same memory, for host-side slot arithmetic
         self._rows: dict[str, _Row] = {}
         self._free: list[int] = list(range(rows - 1, -1, -1))
+        self._log: list[tuple[int, int, int]] = []  # (row, start, end) of each row write
+        self._log_start = 0  # absolute position of ``_log[0]``
+        self._step_tables: list[_StepTable] = []  # most recently used last
         self.entries_written = 0  # block ids copied into rows so far (a host-work counter)
+        self.entries_copied = 0  # block ids copied into step tables so far (a host-work counter)
 
     def update(self, request_ids: Sequence[str], block_ids: Sequence[list[int]]) -> np.ndarray:
         """Bring the rows of this step's requests up to date; returns their row indices [B] int64,
         in the given order."""
         needed = max(len(ids) for ids in block_ids)
         if needed > self.tensor.shape[1]:
-            self._grow(self.tensor.shape[0], max(needed, 2 * self.tensor.shape[1]))
+            self._grow(self.tensor.shape[0], max(_power_of_two(needed), 2 * self.tensor.shape[1]))
         rows = np.empty(len(request_ids), dtype=np.int64)
         for i, (rid, ids) in enumerate(zip(request_ids, block_ids)):
             row = self._rows.get(rid)
@@ -53,14 +78,59 @@ class BlockTable:
                 row.source, row.written = ids, 0
             if len(ids) > row.written:
                 self.array[row.index, row.written : len(ids)] = ids[row.written :]
+                self._log.append((row.index, row.written, len(ids)))
                 self.entries_written += len(ids) - row.written
                 row.written = len(ids)
             rows[i] = row.index
+        self._trim_log()  # with no step table kept (steps without decode requests) the log stays empty
         return rows
 
-    def gather(self, rows: np.ndarray, width: int) -> Tensor:
-        """The step's block table [len(rows), width] int32 (a new host tensor)."""
-        return self.tensor[torch.from_numpy(rows), :width]
+    def step_table(self, rows: np.ndarray, width: int, device: torch.device) -> Tensor:
+        """The block table [len(rows), W] int32 on ``device`` of rows ``rows`` (from ``update``), in
+        that order, with ``W >= width``; columns past a row's blocks hold stale but valid block ids.
+        The tensor is reused and updated in place by later calls with the same rows."""
+        for i, table in enumerate(self._step_tables):
+            if table.tensor.shape[1] >= width and np.array_equal(table.rows, rows):
+                self._step_tables.append(self._step_tables.pop(i))
+                self._sync(table)
+                return table.tensor
+        cols = min(self.tensor.shape[1], _power_of_two(width))
+        rows = rows.copy()
+        tensor = self.tensor[torch.from_numpy(rows), :cols].to(device)
+        self.entries_copied += tensor.numel()
+        position = {int(r): i for i, r in enumerate(rows)}
+        self._step_tables.append(_StepTable(rows, position, tensor, self._log_start + len(self._log)))
+        del self._step_tables[:-STEP_TABLES]
+        self._trim_log()
+        return tensor
+
+    def _sync(self, table: _StepTable) -> None:
+        """Apply the row writes made since ``table`` was last used to it."""
+        cols = table.tensor.shape[1]
+        flat: list[np.ndarray] = []
+        for row, start, end in self._log[table.synced - self._log_start :]:
+            i = table.position.get(row)
+            end = min(end, cols)
+            if i is not None and start < end:
+                flat.append(np.arange(i * cols + start, i * cols + end))
+        table.synced = self._log_start + len(self._log)
+        if flat:
+            index = np.concatenate(flat)
+            values = self.array[table.rows[index // cols], index % cols]
+            table.tensor.view(-1)[torch.from_numpy(index).to(table.tensor.device)] = torch.from_numpy(
+                values
+            ).to(table.tensor.device)
+            self.entries_copied += index.size
+        self._trim_log()
+
+    def _trim_log(self) -> None:
+        """Forget row writes every kept step table has applied; a step table with more pending writes
+        than entries is dropped instead (rebuilding it costs less than catching up)."""
+        end = self._log_start + len(self._log)
+        self._step_tables = [t for t in self._step_tables if end - t.synced <= t.tensor.numel()]
+        keep_from = min((t.synced for t in self._step_tables), default=end)
+        del self._log[: keep_from - self._log_start]
+        self._log_start = keep_from
 
     def _release_absent(self, present: set[str]) -> None:
         for rid in [rid for rid in self._rows if rid not in present]:

@@ -75,11 +75,11 @@ class DecodeGraphs:
         if size not in self.graphs:
             self.graphs[size] = self._capture(size)
         d = meta.decode
-        width = d.block_table.shape[1]
+        width = min(d.block_table.shape[1], self.block_table.shape[1])  # wider columns are never read
         self.input_ids[:n].copy_(input_ids)
         self.positions[:n].copy_(positions)
         self.slot_mapping[:n].copy_(meta.slot_mapping)
-        self.block_table[:n, :width].copy_(d.block_table)
+        self.block_table[:n, :width].copy_(d.block_table[:, :width])
         self.seq_lens[:n].copy_(d.seq_lens)
         self._reset_padding(n, size)
         graph, hidden, session = self.graphs[size]

@@ -81,9 +81,9 @@ class InputBuilder:
         if decode:
             decode_meta = DecodeMetadata(
                 num_tokens=int(offsets[num_decode]),
-                block_table=self.block_table.gather(
-                    rows[:num_decode], max(len(r.block_ids) for r in decode)
-                ).to(dev),
+                block_table=self.block_table.step_table(
+                    rows[:num_decode], max(len(r.block_ids) for r in decode), dev
+                ),
                 seq_lens=torch.from_numpy(seq_lens[:num_decode].astype(np.int32)).to(dev),
                 query_start_loc=torch.from_numpy(offsets[: num_decode + 1].astype(np.int32)).to(dev),
                 max_query_len=int(query_lens[:num_decode].max()),

@@ -151,8 +151,10 @@ class MTPProposer:
                 next_ids = [*r.token_ids[1:count], tokens[-1]]
             else:
                 count = r.num_new_tokens
-                known = r.prompt_token_ids + r.output_token_ids
-                next_ids = known[r.num_computed_tokens + 1 : r.num_computed_tokens + count + 1]
+                start, stop = r.num_computed_tokens + 1, r.num_computed_tokens + count + 1
+                prompt = r.prompt_token_ids  # known tokens: prompt then output (sliced, not joined)
+                tail = r.output_token_ids[max(start - len(prompt), 0) : max(stop - len(prompt), 0)]
+                next_ids = prompt[start:stop] + tail
             passes.append(replace(r, token_ids=next_ids, num_draft_tokens=0, samples=r.request_id in emitted))
             rows.append(list(range(offset, offset + count)))
 

@@ -161,3 +161,19 @@ def test_one_wrong_row_in_a_thousand_fails_the_row_comparison() -> None:
         assert_close("rms_norm", out, ref, torch.bfloat16)
     assert_close("rms_norm", attention.OPS.rms_norm(x.to(torch.bfloat16), w.to(torch.bfloat16), 1e-6), ref,
                  torch.bfloat16)  # fmt: skip
+
+
+def test_every_check_runs_its_op_over_nan_filled_memory() -> None:
+    """Every check runs with uninitialised memory NaN-filled (torch's allocator, CPU and CUDA) and
+    poisons the device's freed memory first (vendor caching allocators) before it calls the op
+    under test; apply_token_bitmask writes in place into logits the check itself fills."""
+    import inspect
+
+    for name, fn in vars(checks).items():
+        if not name.startswith("check_") or not callable(fn):
+            continue
+        assert hasattr(fn, "__wrapped__"), f"{name} is not decorated with @nan_filled_memory()"
+        if name != "check_apply_token_bitmask":
+            assert "poison_device_memory(device)" in inspect.getsource(fn), (
+                f"{name} does not poison device memory"
+            )

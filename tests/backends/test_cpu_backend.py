@@ -1,5 +1,6 @@
 """The fast CPU backend (deepinfer.backends.cpu): conformance, row-wise parity in fp32 and bf16,
-mutations the suite must catch, platform selection, and greedy agreement end to end.
+platform selection, and greedy agreement end to end (the mutations the suite must catch are in
+``test_cpu_mutations``).
 
 Row-wise comparison, like the conformance suite's, at a tighter float32 tolerance.
 """
@@ -11,20 +12,16 @@ import os
 import subprocess
 import sys
 import xml.etree.ElementTree as ET
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
 
-from deepinfer.backends.cpu import attention as fast_attention
 from deepinfer.backends.cpu import deterministic as fast_deterministic
-from deepinfer.backends.cpu import moe as fast_moe
-from deepinfer.backends.cpu import norm as fast_norm
 from deepinfer.backends.cpu.backend import OPS as FAST
-from deepinfer.backends.registry import OpTable, interface_ops, load_backend
-from deepinfer.backends.testing import checks, invariance
-from deepinfer.backends.testing.harness import SMALL_MLA, SMALL_MOE, V3_MLA, MLAShape, max_row_error
+from deepinfer.backends.registry import load_backend
+from deepinfer.backends.testing import checks
+from deepinfer.backends.testing.harness import SMALL_MLA, V3_MLA, MLAShape, max_row_error
 from tests.conftest import REPO_ROOT
 
 REF = load_backend("deepinfer.backends.reference")
@@ -160,122 +157,6 @@ def test_kv_cache_write_skips_padding_and_casts() -> None:
     assert int(torch.isnan(rows.float()).any(dim=-1).sum()) == 30  # nothing else was written
     with pytest.raises(RuntimeError, match="out of range"):
         FAST.kv_cache_write(kv_c, k_pe, (cache,), torch.tensor([5, 6, 32]))
-
-
-# ----------------------------------------------------------------------------- mutations
-
-
-def fast_with(fn: Callable) -> OpTable:
-    """The fast backend with one op replaced by ``fn`` (named like the op it replaces)."""
-    table = OpTable(f"broken-fast-{fn.__name__}")
-    table.implement(fn)
-    for name in sorted(set(interface_ops()) - {fn.__name__}):
-        table.implement(FAST.implementation(name))
-    return table.finalize()
-
-
-def test_the_fast_ops_pass_the_checks_unbroken() -> None:
-    checks.check_mla_decode(FAST, CPU, torch.float32, V3_MLA, [1, 2, 1], 24, "ok")
-    checks.check_fused_moe(FAST, CPU, torch.float32, SMALL_MOE, True, "ok")
-    checks.check_rope(FAST, CPU, torch.bfloat16, SMALL_MLA, True, "ok")
-
-
-def test_mis_scaled_fast_decode_fails() -> None:
-    def mla_decode(q_nope, q_pe, kv_cache, block_table, seq_lens, query_start_loc, max_query_len, scale,
-                   sliding_window=None):  # fmt: skip
-        return fast_attention.mla_decode(q_nope, q_pe, kv_cache, block_table, seq_lens, query_start_loc,
-                                         max_query_len, scale * 1.05, sliding_window)  # fmt: skip
-
-    with pytest.raises(AssertionError, match=r"mla_decode.*relative error"):
-        checks.check_mla_decode(fast_with(mla_decode), CPU, torch.float32, V3_MLA, [1, 2, 1], None, "scaled")
-
-
-def test_fast_decode_with_a_shifted_block_table_entry_fails() -> None:
-    with pytest.raises(AssertionError, match="mla_decode"):
-        checks.check_mla_decode(FAST, CPU, torch.float32, SMALL_MLA, [1, 1, 1, 1], None, "shift",
-                                corrupt_block_table=True)  # fmt: skip
-
-
-def test_fast_decode_that_ignores_the_window_fails() -> None:
-    def mla_decode(q_nope, q_pe, kv_cache, block_table, seq_lens, query_start_loc, max_query_len, scale,
-                   sliding_window=None):  # fmt: skip
-        return fast_attention.mla_decode(q_nope, q_pe, kv_cache, block_table, seq_lens, query_start_loc,
-                                         max_query_len, scale, None)  # fmt: skip
-
-    with pytest.raises(AssertionError, match="mla_decode"):
-        checks.check_mla_decode(fast_with(mla_decode), CPU, torch.float32, SMALL_MLA, [1, 3, 2, 4], 24, "win")
-
-
-def test_fast_rope_with_wrong_pairing_fails() -> None:
-    def rope(q, k, positions, cos_sin_cache, interleaved):
-        return fast_norm.rope(q, k, positions, cos_sin_cache, not interleaved)
-
-    with pytest.raises(AssertionError, match="rope"):
-        checks.check_rope(fast_with(rope), CPU, torch.float32, SMALL_MLA, True, "pairing")
-
-
-def test_fast_moe_that_drops_the_routing_weights_fails() -> None:
-    def fused_moe(hidden, w13, w2, topk_weights, topk_ids):
-        return fast_moe.fused_moe(hidden, w13, w2, torch.ones_like(topk_weights), topk_ids)
-
-    with pytest.raises(AssertionError, match="fused_moe"):
-        checks.check_fused_moe(fast_with(fused_moe), CPU, torch.float32, SMALL_MOE, False, "weights")
-
-
-def test_fast_norm_with_an_unwritten_row_fails() -> None:
-    def rms_norm(x, weight, eps):
-        out = fast_norm.rms_norm(x, weight, eps)
-        out[-1] = float("nan")  # as if the last row were never written
-        return out
-
-    with pytest.raises(AssertionError, match="non-finite"):
-        checks.check_rms_norm(fast_with(rms_norm), CPU, torch.float32, 64, "unwritten")
-
-
-def fast_deterministic_with(fn: Callable) -> OpTable:
-    """The fast backend as deterministic mode runs it, with the invariant formulation of one op replaced
-    by ``fn`` (named like the op it replaces)."""
-    table = OpTable(f"broken-fast-deterministic-{fn.__name__}")
-    for name in sorted(interface_ops()):
-        table.implement(FAST.default_implementation(name))
-        table.implement_invariant("as the fast backend")(
-            fn if name == fn.__name__ else FAST.deterministic_implementation(name)
-        )
-    return table.finalize()
-
-
-def test_the_fast_deterministic_ops_pass_the_invariance_checks_unbroken() -> None:
-    table = fast_deterministic_with(FAST.deterministic_implementation("mla_decode"))
-    invariance.check_attention(table, CPU, torch.float32, SMALL_MLA, 24, "ok-det")
-    invariance.check_moe(table, CPU, torch.float32, SMALL_MOE, "ok-det")
-
-
-def test_the_batch_split_decode_kernel_as_deterministic_attention_is_caught() -> None:
-    """The default kernel cuts the KV by the batch's total length: not invariant, and the check says so."""
-    with pytest.raises(AssertionError, match="mla_decode: not batch-invariant"):
-        invariance.check_attention(
-            fast_deterministic_with(fast_attention.mla_decode), CPU, torch.float32, SMALL_MLA, None, "split"
-        )
-
-
-def test_deterministic_attention_that_ignores_the_window_is_caught() -> None:
-    def mla_decode(q_nope, q_pe, kv_cache, block_table, seq_lens, query_start_loc, max_query_len, scale,
-                   sliding_window=None):  # fmt: skip
-        return fast_deterministic.mla_decode(q_nope, q_pe, kv_cache, block_table, seq_lens, query_start_loc,
-                                             max_query_len, scale, None)  # fmt: skip
-
-    with pytest.raises(AssertionError, match=r"mla_decode\(deterministic\)"):
-        invariance.check_attention(
-            fast_deterministic_with(mla_decode), CPU, torch.float32, SMALL_MLA, 24, "w"
-        )
-
-
-def test_the_unpadded_grouped_moe_as_deterministic_moe_is_caught() -> None:
-    """torch's grouped product over unpadded expert groups: a needle alone is a 1-row product there."""
-    with pytest.raises(AssertionError, match="not batch-invariant"):
-        invariance.check_moe(
-            fast_deterministic_with(fast_moe.fused_moe), CPU, torch.float32, SMALL_MOE, "grp"
-        )
 
 
 def test_deterministic_mode_runs_the_fast_backends_own_invariant_formulations() -> None:

@@ -234,3 +234,25 @@ def test_the_step_log_records_each_steps_composition_and_each_arrival(
     assert all(s["ids"] == ["a"] for s in steps)
     assert all(0 < s["forward_s"] <= s["t1"] - s["t0"] for s in steps)
     assert all(a["t1"] <= b["t0"] for a, b in itertools.pairwise(steps))
+
+
+def test_a_step_that_scheduled_nothing_is_not_logged(
+    tiny_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An engine step with nothing to run (a request's KV still loading, or the last one just
+    finished) must not repeat the step before it in the log: the simulator's validation reads
+    each line as a batch that ran."""
+    from deepinfer.core.engine_core import EngineCore
+    from deepinfer.core.step_log import read_step_log
+
+    monkeypatch.setenv("DEEPINFER_STEP_LOG_DIR", str(tmp_path / "steps"))
+    engine = LLMEngine(EngineConfig(model=str(tiny_model), detokenize=False, **OPTIONS))
+    core = EngineCore(engine, 6, "inproc://unused", None)
+    params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+    engine.add_request("a", None, list(range(5, 25)), params)
+    while engine.has_unfinished_requests():
+        core._step()
+    core._step()  # nothing left: schedules nothing
+    core._step_log.close()
+    _, steps = read_step_log(core._step_log.path)
+    assert [s["work"] for s in steps] == [[[20, 0]], [[1, 20]]]

@@ -134,3 +134,57 @@ def test_the_routers_own_policies_route_in_the_simulator() -> None:
     burst = [Arrival(0.001 * i, f"r{i}", "code", (Segment(("b", i), 800),), 4) for i in range(8)]
     sim.run(burst, until=100)
     assert [r.tokens_done > 0 for w in sim.pools["both"] for r in w.ranks] == [True] * 4
+
+
+def _pd(queue_limit: int) -> Simulation:
+    """One prefill and one decode worker behind a router whose prefill queue holds ``queue_limit``
+    prompts (0: placed at arrival); every prompt takes two hops."""
+    knobs = EngineKnobs(num_blocks=4000, block_size=16, max_num_batched_tokens=4096)
+    slow = StepCostModel(1e-3, 0.0, 1e-3, 0.0, 0.0, "test")  # one second per 1000 prompt tokens
+    pools = [PoolConfig(role, 1, 1, CalibratedCost(slow), knobs) for role in ("prefill", "decode")]
+    router = RouterConfig(min_disaggregated_tokens=0, prefill_queue_limit=queue_limit)
+    return Simulation(ClusterConfig(pools, router=router))
+
+
+def test_the_routers_prefill_queue_binds_long_prompts_late_and_longest_first() -> None:
+    """With late binding (the router's default), a prompt waits in the router while the prefill
+    worker's backlog is over the horizon, and of the waiting ones the longest (by more than it
+    arrived later) goes first; placed at arrival, the engine takes them in arrival order."""
+    trace = [
+        Arrival(0.001 * i, f"r{i}", "code", (Segment((f"p{i}",), n),), 4)
+        for i, n in enumerate((600, 1000, 2000))
+    ]
+    order = {}
+    for limit in (0, 16):
+        sim = _pd(limit)
+        sim.run(trace, until=100)
+        assert all(len(t.token_times) == 4 for t in sim.traces.values())
+        order[limit] = sorted(sim.traces, key=lambda rid: sim.traces[rid].first_token_s)
+    assert order[0] == ["r0", "r1", "r2"]
+    assert order[16] == ["r0", "r2", "r1"]
+
+
+def test_a_full_prefill_queue_rejects_as_the_router_does() -> None:
+    trace = [Arrival(0.001 * i, f"r{i}", "code", (Segment((f"p{i}",), 1000),), 2) for i in range(4)]
+    sim = _pd(1)
+    sim.run(trace, until=100)
+    # r0 is placed at once, r1 waits in the queue, r2 and r3 find it full (the router's 429).
+    assert [sim.traces[f"r{i}"].rejected for i in range(4)] == [False, False, True, True]
+    assert summarise(sim, 0, 1, 1)["requests_rejected"] == 2
+
+
+def test_pools_sharing_a_host_slow_each_other_down() -> None:
+    """host_contention: a decode step that starts while the prefill worker is in a step takes longer;
+    with separate hosts (0, the default) the same trace decodes faster."""
+    trace = [Arrival(0.01 * i, f"r{i}", "code", (Segment((f"p{i}",), 800),), 16) for i in range(6)]
+    tpot = {}
+    for contention in (0.0, 1.0):
+        knobs = EngineKnobs(num_blocks=4000, block_size=16, max_num_batched_tokens=4096)
+        pools = [PoolConfig(role, 1, 1, CalibratedCost(CPU), knobs, host_contention=contention)
+                 for role in ("prefill", "decode")]  # fmt: skip
+        sim = Simulation(ClusterConfig(pools, router=RouterConfig(min_disaggregated_tokens=0)))
+        sim.run(trace, until=100)
+        tpot[contention] = summarise(sim, 0, 1, 1)["tpot_s"]["mean"]
+    assert tpot[1.0] > 1.05 * tpot[0.0]
+    with pytest.raises(ValueError, match="host_contention must be >= 0"):
+        PoolConfig("decode", 1, 1, CalibratedCost(CPU), knobs, host_contention=-0.1)

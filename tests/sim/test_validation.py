@@ -1,6 +1,8 @@
 """The validation's fits, on synthetic step logs whose true costs are known (the real runs against a
 served engine are in test_slow.py), and the simulator's handoff as our router makes it."""
 
+import re
+
 import pytest
 
 from deepinfer.bench.serve import RequestResult
@@ -93,3 +95,44 @@ def test_a_wait_for_a_kv_load_is_no_steps_period() -> None:
     period, _, summary = fit_served_steps(CoreLog(adds, steps))
     assert summary["median_loop_gap_s"] == pytest.approx(GAP_S)
     assert period.predict([(1, 215)]) == pytest.approx(TRUE.predict([(1, 215)]) + GAP_S, rel=0.02)
+
+
+def test_requests_sent_close_together_are_matched_by_prompt_length() -> None:
+    """Two requests sent 1 ms apart may reach the core in either order: each add goes to the
+    earliest-sent unmatched request of its prompt's length; a length the trace lacks is an error."""
+    prompts = [[0] * 300, [0] * 200, [0] * 300]
+    served = Served(prompts, [0.0, 0.001, 0.002], [RequestResult()] * 3, ((0.0,), (0.0,)))
+    adds = {
+        "a": {"t": 0.010, "prompt": 200},
+        "b": {"t": 0.011, "prompt": 300},
+        "c": {"t": 0.012, "prompt": 300},
+    }
+    assert CoreLog(adds, []).in_send_order(served) == ["b", "a", "c"]
+    adds["c"]["prompt"] = 100
+    with pytest.raises(
+        RuntimeError, match=re.escape("core request c (100 prompt tokens) matches no request")
+    ):
+        CoreLog(adds, []).in_send_order(served)
+
+
+def test_host_contention_with_a_peer_core_is_fitted_apart_from_the_step_costs() -> None:
+    """Decode steps that start while the peer core (the other worker on the host) is in a step take
+    1.5x: the fit finds contention 0.5 and the uncontended costs; without the peer it cannot."""
+    steps, peer_steps, t = [], [], 0.0
+    for k in range(200):
+        work = [(1, 200 + k)] * (1 + k % 3)
+        shared = k % 4 == 0
+        if shared:
+            peer_steps.append({"t0": t - 1e-3, "t1": t + 1e-3, "forward_s": 2e-3, "work": [(500, 0)],
+                               "ids": [f"p{k}"], "first": []})  # fmt: skip
+        forward = TRUE.predict(work) * (1.5 if shared else 1.0)
+        steps.append({"t0": t, "t1": t + forward, "forward_s": forward, "work": work, "ids": ["c0", "c1", "c2"][: len(work)],
+                      "first": []})  # fmt: skip
+        t += forward + GAP_S
+    log, peer = CoreLog({}, steps), CoreLog({}, peer_steps)
+    period, runner, summary = fit_served_steps(log, peer)
+    assert summary["contention"] == pytest.approx(0.5, rel=0.02)
+    assert summary["steps_sharing_the_host"] == 50
+    assert runner.predict([(1, 300)] * 2) == pytest.approx(TRUE.predict([(1, 300)] * 2), rel=0.02)
+    assert period.predict([(1, 300)]) == pytest.approx(TRUE.predict([(1, 300)]) + GAP_S, rel=0.05)
+    assert fit_served_steps(log)[2]["contention"] == 0.0

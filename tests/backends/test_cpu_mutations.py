@@ -1,0 +1,251 @@
+"""The conformance and invariance checks fail on the fast CPU backend's ops when they are broken, in
+float32 and in bfloat16 (whose looser tolerance must not hide a real bug): each case replaces one op
+of the fast backend by a broken version of that same op and expects the check to name it.
+
+Deterministic-mode cases break the op's invariant formulation (the native ``mla_decode_invariant`` and
+``silu_and_mul_invariant`` kernels, the padded grouped products) and run the invariance checks, which
+also compare each formulation with the reference.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+
+from deepinfer.backends.cpu import attention as fast_attention
+from deepinfer.backends.cpu import cache as fast_cache
+from deepinfer.backends.cpu import deterministic as fast_deterministic
+from deepinfer.backends.cpu import moe as fast_moe
+from deepinfer.backends.cpu import norm as fast_norm
+from deepinfer.backends.cpu.backend import OPS as FAST
+from deepinfer.backends.registry import OpTable, interface_ops
+from deepinfer.backends.testing import checks, invariance
+from deepinfer.backends.testing.harness import SMALL_MLA, SMALL_MOE, V3_MLA
+
+FAST.finalize()
+CPU = torch.device("cpu")
+DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+
+
+def _named(name: str, fn: Callable) -> Callable:
+    fn.__name__ = name
+    return fn
+
+
+def fast_with(fn: Callable) -> OpTable:
+    """The fast backend with one op replaced by ``fn`` (named like the op it replaces)."""
+    table = OpTable(f"broken-fast-{fn.__name__}")
+    table.implement(fn)
+    for name in sorted(set(interface_ops()) - {fn.__name__}):
+        table.implement(FAST.implementation(name))
+    return table.finalize()
+
+
+def fast_deterministic_with(fn: Callable) -> OpTable:
+    """The fast backend as deterministic mode runs it, with one op's invariant formulation replaced."""
+    table = OpTable(f"broken-fast-deterministic-{fn.__name__}")
+    for name in sorted(interface_ops()):
+        table.implement(FAST.default_implementation(name))
+        table.implement_invariant("as the fast backend")(
+            fn if name == fn.__name__ else FAST.deterministic_implementation(name)
+        )
+    return table.finalize()
+
+
+def _decode_scaled(kernel: Callable) -> Callable:
+    def mla_decode(q_nope, q_pe, kv_cache, block_table, seq_lens, query_start_loc, max_query_len, scale,
+                   sliding_window=None):  # fmt: skip
+        return kernel(q_nope, q_pe, kv_cache, block_table, seq_lens, query_start_loc, max_query_len,
+                      scale * 1.05, sliding_window)  # fmt: skip
+
+    return mla_decode
+
+
+def _decode_without_window(kernel: Callable) -> Callable:
+    def mla_decode(q_nope, q_pe, kv_cache, block_table, seq_lens, query_start_loc, max_query_len, scale,
+                   sliding_window=None):  # fmt: skip
+        return kernel(q_nope, q_pe, kv_cache, block_table, seq_lens, query_start_loc, max_query_len, scale,
+                      None)  # fmt: skip
+
+    return mla_decode
+
+
+def _one_row_off(x, weight, eps):
+    out = fast_norm.rms_norm(x, weight, eps)
+    out[out.shape[0] // 2 - 83] *= 1.05  # one row in a thousand, 5% off
+    return out
+
+
+def _unwritten_last_row(x, weight, eps):
+    out = fast_norm.rms_norm(x, weight, eps)
+    out[-1] = float("nan")  # as if the last row were never written
+    return out
+
+
+def rope(q, k, positions, cos_sin_cache, interleaved):  # the other pairing
+    return fast_norm.rope(q, k, positions, cos_sin_cache, not interleaved)
+
+
+def add_rms_norm(x, residual, weight, eps):  # normalises x alone, not x + residual
+    return fast_norm.rms_norm(x, weight, eps), fast_norm.add_rms_norm(x, residual, weight, eps)[1]
+
+
+def kv_cache_write(kv_c, k_pe, kv_cache, slot_mapping):  # rows to each other's slots
+    fast_cache.kv_cache_write(kv_c, k_pe, kv_cache, slot_mapping.flip(0))
+
+
+def grouped_gemm(x, weight, group_sizes):  # group boundaries shifted by one expert
+    return fast_moe.grouped_gemm(x, weight, group_sizes.roll(1))
+
+
+def fused_moe(hidden, w13, w2, topk_weights, topk_ids):  # routing weights dropped
+    return fast_moe.fused_moe(hidden, w13, w2, torch.ones_like(topk_weights), topk_ids)
+
+
+def silu_and_mul_invariant(x):  # gate and up swapped
+    return fast_deterministic.silu_and_mul(x.roll(x.shape[-1] // 2, dims=-1))
+
+
+def fused_moe_invariant(hidden, w13, w2, topk_weights, topk_ids):  # routing weights dropped
+    return fast_deterministic.fused_moe(hidden, w13, w2, torch.ones_like(topk_weights), topk_ids)
+
+
+def grouped_gemm_invariant(x, weight, group_sizes):  # group boundaries shifted by one expert
+    return fast_deterministic.grouped_gemm(x, weight, group_sizes.roll(1))
+
+
+# (id, broken op, the check it must fail, what the failure must say)
+Mutation = tuple[str, Callable, Callable[[OpTable, torch.dtype], None], str]
+MUTATIONS: list[Mutation] = [
+    (
+        "mla_decode-mis-scaled",
+        _decode_scaled(fast_attention.mla_decode),
+        lambda t, d: checks.check_mla_decode(t, CPU, d, V3_MLA, [1, 2, 1], None, "m-scaled"),
+        r"mla_decode.*relative error",
+    ),
+    (
+        "mla_decode-ignores-window",
+        _decode_without_window(fast_attention.mla_decode),
+        lambda t, d: checks.check_mla_decode(t, CPU, d, SMALL_MLA, [1, 3, 2, 4], 24, "m-window"),
+        r"mla_decode",
+    ),
+    (
+        "rope-wrong-pairing",
+        rope,
+        lambda t, d: checks.check_rope(t, CPU, d, SMALL_MLA, True, "m-pairing"),
+        "rope",
+    ),
+    (
+        "rms_norm-one-row-in-a-thousand",
+        _named("rms_norm", _one_row_off),
+        lambda t, d: checks.check_rms_norm(t, CPU, d, 64, "m-row", rows=1000),
+        r"rms_norm\[m-row\]: relative error [45]\.\d+e-02 of its worst row \(of 1000\)",
+    ),
+    (
+        "rms_norm-unwritten-row",
+        _named("rms_norm", _unwritten_last_row),
+        lambda t, d: checks.check_rms_norm(t, CPU, d, 64, "m-unwritten"),
+        "non-finite",
+    ),
+    (
+        "add_rms_norm-ignores-residual-in-norm",
+        add_rms_norm,
+        lambda t, d: checks.check_rms_norm(t, CPU, d, 64, "m-residual"),
+        r"add_rms_norm\.norm",
+    ),
+    (
+        "kv_cache_write-swaps-slots",
+        kv_cache_write,
+        lambda t, d: checks.check_kv_cache(t, CPU, d, SMALL_MLA, "m-slots"),
+        r"kv_cache\.latent",
+    ),
+    (
+        "grouped_gemm-groups-shifted",
+        grouped_gemm,
+        lambda t, d: checks.check_grouped_gemm(t, CPU, d, SMALL_MOE, "m-groups"),
+        "grouped_gemm",
+    ),
+    (
+        "fused_moe-drops-routing-weights",
+        fused_moe,
+        lambda t, d: checks.check_fused_moe(t, CPU, d, SMALL_MOE, False, "m-weights"),
+        "fused_moe",
+    ),
+]
+
+DETERMINISTIC_MUTATIONS: list[Mutation] = [
+    (
+        "mla_decode_invariant-mis-scaled",
+        _decode_scaled(fast_deterministic.mla_decode),
+        lambda t, d: invariance.check_attention(t, CPU, d, SMALL_MLA, None, "md-scaled"),
+        r"mla_decode\(deterministic\)",
+    ),
+    (
+        "mla_decode_invariant-ignores-window",
+        _decode_without_window(fast_deterministic.mla_decode),
+        lambda t, d: invariance.check_attention(t, CPU, d, SMALL_MLA, 24, "md-window"),
+        r"mla_decode\(deterministic\)",
+    ),
+    (
+        "silu_and_mul_invariant-halves-swapped",
+        _named("silu_and_mul", silu_and_mul_invariant),
+        lambda t, d: invariance.check_rowwise_small_ops(t, CPU, d, 40, "md-silu"),
+        r"silu_and_mul\(deterministic\)",
+    ),
+    (
+        "fused_moe_invariant-drops-routing-weights",
+        _named("fused_moe", fused_moe_invariant),
+        lambda t, d: invariance.check_moe(t, CPU, d, SMALL_MOE, "md-weights"),
+        r"fused_moe\(deterministic\)",
+    ),
+    (
+        "grouped_gemm_invariant-groups-shifted",
+        _named("grouped_gemm", grouped_gemm_invariant),
+        lambda t, d: invariance.check_moe(t, CPU, d, SMALL_MOE, "md-groups"),
+        "grouped_gemm",
+    ),
+]
+
+
+@DTYPES
+@pytest.mark.parametrize("broken,check,message", [m[1:] for m in MUTATIONS], ids=[m[0] for m in MUTATIONS])
+def test_the_suite_catches_a_broken_fast_op(broken, check, message, dtype) -> None:
+    check(FAST, dtype)  # the unbroken op passes the same check
+    with pytest.raises(AssertionError, match=message):
+        check(fast_with(broken), dtype)
+
+
+@DTYPES
+@pytest.mark.parametrize(
+    "broken,check,message",
+    [m[1:] for m in DETERMINISTIC_MUTATIONS],
+    ids=[m[0] for m in DETERMINISTIC_MUTATIONS],
+)
+def test_the_suite_catches_a_broken_fast_invariant_formulation(broken, check, message, dtype) -> None:
+    check(fast_deterministic_with(FAST.deterministic_implementation(broken.__name__)), dtype)
+    with pytest.raises(AssertionError, match=message):
+        check(fast_deterministic_with(broken), dtype)
+
+
+def test_fast_decode_with_a_shifted_block_table_entry_fails() -> None:
+    with pytest.raises(AssertionError, match="mla_decode"):
+        checks.check_mla_decode(FAST, CPU, torch.float32, SMALL_MLA, [1, 1, 1, 1], None, "shift",
+                                corrupt_block_table=True)  # fmt: skip
+
+
+def test_the_batch_split_decode_kernel_as_deterministic_attention_is_caught() -> None:
+    """The default kernel cuts the KV by the batch's total length: not invariant, and the check says so."""
+    with pytest.raises(AssertionError, match="mla_decode: not batch-invariant"):
+        invariance.check_attention(
+            fast_deterministic_with(fast_attention.mla_decode), CPU, torch.float32, SMALL_MLA, None, "split"
+        )
+
+
+def test_the_unpadded_grouped_moe_as_deterministic_moe_is_caught() -> None:
+    """torch's grouped product over unpadded expert groups: a needle alone is a 1-row product there."""
+    with pytest.raises(AssertionError, match="not batch-invariant"):
+        invariance.check_moe(
+            fast_deterministic_with(fast_moe.fused_moe), CPU, torch.float32, SMALL_MOE, "grp"
+        )
