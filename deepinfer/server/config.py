@@ -40,7 +40,7 @@ class ServerConfig(BaseModel):
     )
     restart_engine: bool = Field(False, description="restart a dead engine core instead of exiting non-zero")
     front_nice: int = Field(
-        10,
+        0,
         ge=0,
         le=19,
         description="nice increment of the API front's threads (0: off; Linux; see priority.py)",

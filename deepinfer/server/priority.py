@@ -4,10 +4,16 @@ Where the front's event loop shares CPU cores with an engine core (a CPU box of 
 host with fewer cores than busy threads), every burst of HTTP work the front does after a step (one
 SSE write per stream, the next requests' parsing) lands while the core is already in its next step,
 and on a core the step needs: an intra-op thread preempted inside a parallel region stalls the whole
-region until it runs again. Served throughput then falls well below the same engine offline. With
-the front's threads at a lower priority (a higher ``nice`` value), the kernel runs the front in the
-gaps the step leaves (its single-threaded parts) and on a busy core only at a small share; the front
-also answers more events per wake-up, so it spends less CPU per token.
+region until it runs again. With the front's threads at a lower priority (a higher ``nice``
+value), the kernel runs the front in the gaps the step leaves (its single-threaded parts) and on a
+busy core only at a small share (on a loaded host it also answered more events per wake-up: less
+front CPU per token).
+
+Off by default (``--front-nice 0``): measured on a 2-core host it moves served throughput at
+saturation little (within the noise of the served/offline benchmark), but where a second worker's
+engine core shares the host (the P/D benchmark, ``bench/pd_itl.py``) the lowered front waits behind
+that core and the decode worker's ITL p99 under long prompts rose from 1.14x to 1.79x its value
+without them. It is for hosts where the front only competes with its own cores.
 
 Linux keeps a nice value per thread, and a child process inherits the value of the thread that
 started it. :class:`CoreSpawner` is the one thread that keeps the process's original priority: the

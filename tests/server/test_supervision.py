@@ -146,10 +146,10 @@ def test_a_killed_engine_core_fails_every_stream_and_the_server_exits_non_zero(d
 
 @pytest.mark.slow
 def test_with_restart_engine_the_server_serves_again(deepseek_model: Path) -> None:
-    """Also: the front runs at nice +10 (its default --front-nice), its engine core, restarted too,
-    at the priority the server was started with."""
+    """Also: with --front-nice 10 the front runs at nice +10, its engine core, restarted too, at the
+    priority the server was started with."""
     base = os.nice(0)
-    with serve(deepseek_model, "--restart-engine") as served:
+    with serve(deepseek_model, "--restart-engine", "--front-nice", "10") as served:
         assert os.getpriority(os.PRIO_PROCESS, served.proc.pid) == min(19, base + 10)
         assert os.getpriority(os.PRIO_PROCESS, served.core_pid()) == base
         seen = {}
