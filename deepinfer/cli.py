@@ -363,9 +363,7 @@ def _bench_serve(args: argparse.Namespace, model: str, workload, options: dict) 
         if args.compare_offline:
             from deepinfer.llm import LLM
 
-            result = compare_offline(
-                url, name, LLM(model, **options), workload, prompts, args.concurrency, args.reps
-            )
+            result = compare_offline(url, name, LLM(model, **options), workload, args.concurrency, args.reps)
         elif args.concurrency:
             result = asyncio.run(run_concurrent(url, name, prompts, workload.output_len, args.concurrency))
         else:

@@ -59,6 +59,7 @@ def run_offline(llm: LLM, workload: Workload, prompts: list[list[int]] | None = 
         "steps": len(steps),
         "p50_step_s": percentile(steps, 50),
         "p99_step_s": percentile(steps, 99),
+        "cached_prompt_tokens": sum(o.num_cached_tokens for o in outs),  # prefix-cache hits
         "preemptions": engine.scheduler.num_preemptions,
         "speculative": engine.config.speculative,
         "num_draft_tokens": engine.num_draft_tokens,

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import os
 import random
@@ -146,11 +147,12 @@ async def run_concurrent(
     return summary
 
 
-def compare_offline(
-    url: str, model: str, llm, workload, prompts: list[list[int]], concurrency: int, reps: int
-) -> dict:
+def compare_offline(url: str, model: str, llm, workload, concurrency: int, reps: int) -> dict:
     """``deepinfer bench serve`` against ``deepinfer bench offline`` on the same prompts, alternating
     (offline, served, offline, served, ...): output tokens/s of each run, medians, and their ratio.
+    Rep ``i`` sends the workload's prompts for seed ``workload.seed + i`` to both sides: a rep that
+    re-sent the last rep's prompts would find them in both engines' prefix caches and measure mostly
+    decoding, not the workload (each offline rep records its cached prompt tokens: about 0).
     ``llm``: an in-process ``LLM`` built with the server's engine options (its ``max_num_seqs`` no
     larger than ``concurrency``, so both sides run the same batch). Each rep also records the
     host's load average and, for a server on this host, the CPU seconds per output token of the
@@ -161,13 +163,15 @@ def compare_offline(
 
     pids = _server_pids(url)
     offline, served, offline_reps, served_reps = [], [], [], []
-    for _ in range(reps):
+    for rep in range(reps):
+        prompts = dataclasses.replace(workload, seed=workload.seed + rep).prompts(llm.engine.tokenizer)
         load, cpu = os.getloadavg()[0], time.process_time()
         result = run_offline(llm, workload, prompts)
         tokens = result["output_tokens"]
         offline.append(result["output_tokens_per_s"])
         offline_reps.append({"output_tokens_per_s": offline[-1], "wall_s": result["wall_s"], "load_average": load,
-                             "cpu_us_per_token": 1e6 * (time.process_time() - cpu) / tokens})  # fmt: skip
+                             "cpu_us_per_token": 1e6 * (time.process_time() - cpu) / tokens,
+                             "cached_prompt_tokens": result["cached_prompt_tokens"], "seed": workload.seed + rep})  # fmt: skip
         load, before = os.getloadavg()[0], _cpu_seconds(pids)
         run = asyncio.run(run_concurrent(url, model, prompts, workload.output_len, concurrency))
         if run["completed"] != len(prompts):
