@@ -1,33 +1,31 @@
-"""A store tier in a directory: one write-once, checksummed file per block.
+"""The shared tier: a directory of write-once, checksummed files, one per block.
 
-Used twice: ``disk`` (a directory on local SSD, one engine process owns it) and ``shared`` (a
-directory on a shared filesystem mount such as 3FS, NFS, CephFS or JuiceFS that many engine
-processes on many hosts read and write at once). Layout:
-``ROOT/kv1/<namespace hex[:32]>/<key hex[:2]>/<key hex>.kvb`` plus ``NAMESPACE.json`` describing the
-namespace. Retention metadata lives in the file times: mtime = expiry, atime = last use (set
-explicitly; both are updated in place without rewriting content).
+A directory on a shared filesystem mount such as 3FS, NFS, CephFS or JuiceFS that many engine
+processes on many hosts read and write at once: one file per block, so that any process finds a block
+another wrote by its key (the local disk tier, which one process owns, packs each batch into one file
+instead: ``pack_tier``). Layout: ``ROOT/kv1/<namespace hex[:32]>/<key hex[:2]>/<key hex>.kvb`` plus
+``NAMESPACE.json`` describing the namespace. Retention metadata lives in the file times: mtime =
+expiry, atime = last use (set explicitly; both are updated in place without rewriting content).
+``shared=False`` (tests, tools) skips looking for other writers' files.
 
-Crash safety: a record is written to a temporary file (``O_EXCL``, unique name per writer), made
-durable, then hard-linked to its final name (``link`` never replaces: the first writer wins, a loser
-just drops its temporary file), and the directory made durable once per batch. Durable means fsynced
-per file and per directory on a shared tier, and one ``syncfs`` of the filesystem for all of a batch's
-temporary files (then one for its directories) on a local tier under Linux: the same order, so a
-name never points at bytes that are not on disk. A reader therefore sees no file or a complete one; what a crash leaves is a temporary file, never served and collected after
-``STALE_TMP_S``. Every read verifies the record (``record.decode``); a bad one is a miss that is
-counted, logged once per tier and reason, and removed. The index is rebuilt from the directory at
-start. Thread safety: the index is guarded by ``lock``, held only around index changes, never
-during file I/O, so a lookup from the engine thread never waits for an fsync.
+Crash safety: a record is written to a temporary file (``O_EXCL``, unique name per writer), fsynced,
+then hard-linked to its final name (``link`` never replaces: the first writer wins, a loser just
+drops its temporary file), and each directory fsynced once per batch (network and FUSE filesystems
+define durability per file), so a name never points at bytes that are not on disk. A reader
+therefore sees no file or a complete one; what a crash leaves is a temporary file, never served and
+collected after ``STALE_TMP_S``. Every read verifies the record (``record.decode``); a bad one is a
+miss that is counted, logged once per tier and reason, and removed. The index is rebuilt from the
+directory at start. Thread safety: the index is guarded by ``lock``, held only around index changes,
+never during file I/O, so a lookup from the engine thread never waits for an fsync.
 """
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import errno
 import json
 import os
 import secrets
-import sys
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -75,7 +73,7 @@ class FileTier:
         self.dir.mkdir(parents=True, exist_ok=True)
         info = self.dir / "NAMESPACE.json"
         if not info.is_file():
-            self._write_atomic(info, json.dumps(namespace_info, indent=1, sort_keys=True).encode())
+            write_atomic(info, json.dumps(namespace_info, indent=1, sort_keys=True).encode())
         self.rescan()
 
     # ------------------------------------------------------------------ index
@@ -172,13 +170,8 @@ class FileTier:
     # ------------------------------------------------------------------ write
     def write_batch(self, items: list[tuple[bytes, bytes | memoryview, str]], now: float) -> None:
         """Write (key, payload, class) records; keys already present are only touched. Durable when
-        this returns. Every new record goes to its own temporary file; all of them are made durable
-        before any is linked to its name (so a name only ever points at synced bytes), then the
-        directories are. On a local tier (``disk``) on Linux one ``syncfs`` per batch covers all of
-        batch, instead of an fsync per file and per directory; a shared tier (network and FUSE
-        filesystems define durability per file) fsyncs each file and directory."""
-        batched = not self.shared and _syncfs is not None
-        dfd = os.open(self.dir, os.O_RDONLY) if batched else -1  # syncfs reports errors since open
+        this returns: every new record goes to its own fsynced temporary file, then is linked to its
+        name; then each directory that gained a name is fsynced."""
         staged: list[tuple[bytes, str, str, int, float]] = []  # key, tmp, final path, size, expiry
         tag = f"{os.getpid()}.{secrets.token_hex(4)}"  # this batch's temporary-name suffix
         try:
@@ -203,11 +196,9 @@ class FileTier:
                 header = record.encode_header(key, self.namespace, payload, now, cls)
                 folder, name = os.path.split(path)
                 tmp = os.path.join(folder, f".tmp.{name}.{tag}")
-                _write_tmp(tmp, header, payload, now, expiry, sync=not batched)
+                _write_tmp(tmp, header, payload, now, expiry)
                 staged.append((key, tmp, path, size, expiry))
                 staged_bytes += size
-            if batched and staged:
-                _syncfs(dfd)
             dirs: set[str] = set()
             linked = [
                 (key, path, size, expiry, _link_once(tmp, path)) for key, tmp, path, size, expiry in staged
@@ -223,16 +214,11 @@ class FileTier:
                         self.index[key] = Entry(key, size, now, expiry)
                         self.used += size
                 self._gauges()
-            if batched and dirs:
-                _syncfs(dfd)
-            elif dirs:
-                for d in dirs:
-                    _fsync_dir(d)
+            for d in dirs:
+                fsync_dir(d)
         finally:
             for _, tmp, _, _, _ in staged:  # an error before linking: no temporary file is left
                 _unlink(tmp)
-            if dfd >= 0:
-                os.close(dfd)
 
     def _final_path(self, key: bytes) -> str:
         """``path(key)`` as a string, its sub-directory created on first use."""
@@ -243,19 +229,8 @@ class FileTier:
             self._subdirs.add(sub)
         return os.path.join(sub, h + SUFFIX)
 
-    def _write_atomic(self, path: Path, data: bytes) -> None:
-        tmp = path.parent / f".tmp.{path.name}.{os.getpid()}.{secrets.token_hex(4)}"
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        try:
-            os.link(tmp, path)
-        except FileExistsError:
-            pass
-        finally:
-            _unlink(tmp)
-        _fsync_dir(path.parent)
+    def close(self) -> None:
+        """Nothing to finish: every write and touch is on disk when its call returns."""
 
     # ------------------------------------------------------------------ retention
     def _make_room(self, incoming: int, now: float) -> bool:
@@ -324,11 +299,9 @@ def block_path(folder: Path, key: bytes) -> Path:
     return folder / h[:2] / (h + SUFFIX)
 
 
-def _write_tmp(
-    tmp: str, header: bytes, payload: bytes | memoryview, now: float, expiry: float, sync: bool
-) -> None:
+def _write_tmp(tmp: str, header: bytes, payload: bytes | memoryview, now: float, expiry: float) -> None:
     """Create ``tmp`` (exclusive) holding ``header`` + ``payload``, times (last use, expiry), and
-    fsync it when ``sync``; on any error the file is removed."""
+    fsync it; on any error the file is removed."""
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     try:
         view = memoryview(payload).cast("B")
@@ -341,8 +314,7 @@ def _write_tmp(
         while view:
             view = view[os.write(fd, view) :]
         os.utime(fd, (now, expiry))
-        if sync:
-            os.fsync(fd)
+        os.fsync(fd)
     except BaseException:
         os.close(fd)
         _unlink(tmp)
@@ -362,26 +334,20 @@ def _link_once(tmp: str, path: str) -> bool:
         _unlink(tmp)
 
 
-def _load_syncfs() -> Callable[[int], None] | None:
-    """``syncfs(2)`` (Linux): flush every dirty page and the journal of the filesystem holding an
-    open descriptor, waiting until it is durable; None where the C library lacks it."""
-    if not sys.platform.startswith("linux"):
-        return None
-    libc = ctypes.CDLL(None, use_errno=True)
-    fn = getattr(libc, "syncfs", None)
-    if fn is None:
-        return None
-    fn.argtypes = [ctypes.c_int]
-
-    def syncfs(fd: int) -> None:
-        if fn(fd) != 0:
-            err = ctypes.get_errno()
-            raise OSError(err, f"syncfs: {os.strerror(err)}")
-
-    return syncfs
-
-
-_syncfs = _load_syncfs()
+def write_atomic(path: Path, data: bytes) -> None:
+    """Create ``path`` holding ``data`` unless it exists (first writer wins), durably."""
+    tmp = path.parent / f".tmp.{path.name}.{os.getpid()}.{secrets.token_hex(4)}"
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    try:
+        os.link(tmp, path)
+    except FileExistsError:
+        pass
+    finally:
+        _unlink(tmp)
+    fsync_dir(path.parent)
 
 
 def _unlink(path: str | Path) -> None:
@@ -389,7 +355,8 @@ def _unlink(path: str | Path) -> None:
         os.unlink(path)
 
 
-def _fsync_dir(path: str | Path) -> None:
+def fsync_dir(path: str | Path) -> None:
+    """fsync a directory (its entries are durable); filesystems that refuse it (EINVAL, ENOTSUP) are let be."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)

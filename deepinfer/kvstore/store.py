@@ -2,8 +2,9 @@
 
 One ``KVStore`` per pool and namespace (see ``keys.StoreNamespace``), created by the engine's
 connector (or by a tool such as a prefill/decode handoff). Tiers, fastest first: ``host`` (a slot
-pool in host memory, always present: it is where loads land and saves start), ``disk`` and
-``shared`` (``FileTier`` directories), each optional and sized by the user. A key is served by the
+pool in host memory, always present: it is where loads land and saves start), ``disk``
+(``PackTier``: a local directory, one pack file per write-behind batch) and ``shared``
+(``FileTier``: a shared mount, one file per block), each optional and sized by the user. A key is served by the
 fastest tier holding it; a load from a file tier promotes the block into host memory; a save commits
 into host memory and is written behind (a background thread, batched over a group-commit window
 when only a local disk is written, with a bounded backlog whose overflow stays in host memory,
@@ -38,6 +39,7 @@ from deepinfer.kvstore.file_tier import FileTier
 from deepinfer.kvstore.host_tier import HostTier
 from deepinfer.kvstore.keys import StoreNamespace
 from deepinfer.kvstore.metrics import StoreMetrics
+from deepinfer.kvstore.pack_tier import PackTier
 from deepinfer.kvstore.retention import RetentionPolicy
 from deepinfer.logger import get_logger
 
@@ -117,22 +119,34 @@ class KVStore:
         self.metrics = StoreMetrics()
         self._lock = threading.RLock()  # guards the host tier, holds and metrics
         self.host = HostTier(host_slots, slot_bytes, pin_memory, policy, self.metrics.tier("host"), clock)
-        self.files: list[FileTier] = []
-        for name, spec in (("disk", disk), ("shared", shared)):
-            if spec is not None:
-                self.files.append(
-                    FileTier(
-                        name,
-                        spec.path,
-                        self.ns_digest,
-                        namespace.describe(),
-                        spec.capacity_bytes,
-                        name == "shared",
-                        policy,
-                        self.metrics.tier(name),
-                        clock,
-                    )
+        self.files: list[PackTier | FileTier] = []
+        if disk is not None:  # one pack file per write-behind batch (this process owns the folder)
+            self.files.append(
+                PackTier(
+                    "disk",
+                    disk.path,
+                    self.ns_digest,
+                    namespace.describe(),
+                    disk.capacity_bytes,
+                    policy,
+                    self.metrics.tier("disk"),
+                    clock,
                 )
+            )
+        if shared is not None:  # one file per block (other processes find blocks by key)
+            self.files.append(
+                FileTier(
+                    "shared",
+                    shared.path,
+                    self.ns_digest,
+                    namespace.describe(),
+                    shared.capacity_bytes,
+                    True,
+                    policy,
+                    self.metrics.tier("shared"),
+                    clock,
+                )
+            )
         self._holds: dict[int, tuple[list[bytes], list[int], float]] = {}
         self._hold_ids = itertools.count(1)
         self._loader = ThreadPoolExecutor(1, thread_name_prefix="deepinfer-kv-load")
@@ -480,4 +494,6 @@ class KVStore:
         self._writer.join()
         self._loader.shutdown(wait=True)
         self._readers.shutdown(wait=True)
+        for tier in self.files:
+            tier.close()
         self._record_stats()

@@ -15,6 +15,8 @@ from deepinfer.kvstore import cli
 from deepinfer.kvstore.file_tier import FileTier
 from deepinfer.kvstore.keys import StoreNamespace, store_key
 from deepinfer.kvstore.metrics import TierCounters
+from deepinfer.kvstore.pack_tier import PackTier
+from deepinfer.kvstore.record import HEADER_SIZE
 from deepinfer.kvstore.retention import DEFAULT_TTLS, RetentionPolicy
 
 
@@ -57,11 +59,44 @@ def test_no_option_means_no_store_and_options_make_a_config(tmp_path: Path) -> N
     }
 
 
+def run_cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, list[dict]]:
+    parser = argparse.ArgumentParser()
+    cli.add_kvstore_args(parser)
+    rc = cli.run_kvstore(parser.parse_args(argv))
+    return rc, json.loads(capsys.readouterr().out)
+
+
+def test_stats_verify_and_gc_of_a_disk_tier_of_packs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    ns = StoreNamespace("w", "t", "layout", 16, "float32", (0,), "full")
+    policy = RetentionPolicy(dict(DEFAULT_TTLS), "chat")
+    tier = PackTier("disk", tmp_path, ns.digest(), ns.describe(), 1 << 30, policy, TierCounters(), time.time)
+    keys = [store_key(ns.digest(), bytes([i]) * 16) for i in range(6)]
+    now = time.time()
+    tier.write_batch([(keys[0], bytes([0]) * 1000, "agent")], now - DEFAULT_TTLS["agent"] - 1)  # expired
+    tier.write_batch([(keys[1], bytes([1]) * 1000, "agent")], now)
+    tier.write_batch([(k, bytes([i]) * 1000, "chat") for i, k in enumerate(keys[2:])], now)
+    bad = tier.packs_dir / tier.index[keys[1]].pack.name
+    raw = bytearray(bad.read_bytes())
+    raw[HEADER_SIZE + 10] ^= 1  # a flipped payload bit
+    bad.write_bytes(raw)
+    rc, [stats] = run_cli(capsys, "stats", str(tmp_path))
+    assert rc == 0 and stats["entries"] == 6 and stats["expired"] == 1 and stats["packs"] == 3
+    assert stats["by_class"]["agent"]["entries"] == 2 and stats["by_class"]["chat"]["entries"] == 4
+    rc, [verified] = run_cli(capsys, "verify", str(tmp_path))
+    assert rc == 1 and verified["bad"] == {"checksum": 1}
+    rc, [collected] = run_cli(capsys, "gc", str(tmp_path))
+    assert collected["expired"] == 1 and collected["bad"] == 1
+    rc, [after] = run_cli(capsys, "verify", str(tmp_path))
+    assert rc == 0 and after["entries"] == 4 and after["bad"] == {} and after["packs"] == 1
+    rc, [evicted] = run_cli(capsys, "gc", str(tmp_path), "--capacity-gib", "0.000001")
+    assert evicted["evicted"] == 4 and not list(tmp_path.rglob("*.kvp"))
+
+
 def test_stats_verify_and_gc(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     ns = StoreNamespace("w", "t", "layout", 16, "float32", (0,), "full")
     policy = RetentionPolicy(dict(DEFAULT_TTLS), "chat")
     tier = FileTier(
-        "disk", tmp_path, ns.digest(), ns.describe(), 1 << 30, False, policy, TierCounters(), time.time
+        "shared", tmp_path, ns.digest(), ns.describe(), 1 << 30, True, policy, TierCounters(), time.time
     )
     keys = [store_key(ns.digest(), bytes([i]) * 16) for i in range(6)]
     now = time.time()

@@ -11,9 +11,12 @@ import signal
 import time
 from pathlib import Path
 
+import pytest
+
 from deepinfer.kvstore.file_tier import FileTier
 from deepinfer.kvstore.keys import StoreNamespace, store_key
 from deepinfer.kvstore.metrics import TierCounters
+from deepinfer.kvstore.pack_tier import PackTier
 from deepinfer.kvstore.retention import DEFAULT_TTLS, RetentionPolicy
 
 NS = StoreNamespace("weights", "tok", "layout", 16, "float32", (0,), "full")
@@ -33,29 +36,36 @@ def payload_of(i: int) -> bytes:
 
 def tier(root: Path, ns: StoreNamespace = NS) -> FileTier:
     return FileTier(
-        "disk", root, ns.digest(), ns.describe(), 1 << 34, False, POLICY, TierCounters(), time.time
+        "shared", root, ns.digest(), ns.describe(), 1 << 34, True, POLICY, TierCounters(), time.time
     )
 
 
-def _writer(root: str, seed: int) -> None:
-    t = tier(Path(root))
+def pack_tier(root: Path, ns: StoreNamespace = NS) -> PackTier:
+    return PackTier("disk", root, ns.digest(), ns.describe(), 1 << 34, POLICY, TierCounters(), time.time)
+
+
+TIERS = {"shared": tier, "disk": pack_tier}
+
+
+def _writer(root: str, seed: int, kind: str) -> None:
+    t = TIERS[kind](Path(root))
     rng = random.Random(seed)
     order = list(range(NUM_KEYS))
     while True:
         rng.shuffle(order)
-        for i in order[:4]:
-            t.write_batch([(key_of(i), payload_of(i), "chat")], time.time())
-        for i in order[4:8]:  # and let some files vanish, so keys get written again
+        t.write_batch([(key_of(i), payload_of(i), "chat") for i in order[:4]], time.time())
+        for i in order[4:8]:  # and let some blocks vanish, so keys get written again
             t.remove(key_of(i))
 
 
-def test_writers_killed_at_random_moments_never_leave_a_bad_record(tmp_path: Path) -> None:
+@pytest.mark.parametrize("kind", ["shared", "disk"])
+def test_writers_killed_at_random_moments_never_leave_a_bad_record(tmp_path: Path, kind: str) -> None:
     ctx = multiprocessing.get_context("fork")
     rng = random.Random(0)
     deadline = time.monotonic() + 60
     kills = 0
     while kills < 50 and time.monotonic() < deadline:
-        proc = ctx.Process(target=_writer, args=(str(tmp_path), kills), daemon=True)
+        proc = ctx.Process(target=_writer, args=(str(tmp_path), kills, kind), daemon=True)
         proc.start()
         time.sleep(rng.uniform(0.005, 0.08))
         os.kill(proc.pid, signal.SIGKILL)
@@ -63,7 +73,7 @@ def test_writers_killed_at_random_moments_never_leave_a_bad_record(tmp_path: Pat
         assert proc.exitcode == -signal.SIGKILL
         kills += 1
     assert kills >= 50
-    reader = tier(tmp_path)  # the index is rebuilt from the directory
+    reader = TIERS[kind](tmp_path)  # the index is rebuilt from the directory
     now = time.time()
     present = 0
     for i in range(NUM_KEYS):
@@ -108,3 +118,37 @@ def test_flipped_truncated_empty_and_foreign_files_are_counted_misses_and_remove
     assert reader.counters.corrupt_reads == 5
     assert [p.exists() for p in paths] == [False] * 5 + [True]
     assert bytes(reader.read(key_of(5), now)) == payload_of(5)
+
+
+def test_flipped_truncated_empty_and_foreign_packs_are_counted_misses_and_removed(tmp_path: Path) -> None:
+    t = pack_tier(tmp_path)
+    for i in range(6):  # one pack per batch
+        t.write_batch([(key_of(i), payload_of(i), "agent")], time.time())
+    packs = {i: t.packs_dir / t.index[key_of(i)].pack.name for i in range(6)}
+    raw = bytearray(packs[0].read_bytes())
+    raw[len(raw) // 2] ^= 0x10  # a flipped payload bit
+    packs[0].write_bytes(raw)
+    raw = bytearray(packs[1].read_bytes())
+    raw[40] ^= 0x01  # a flipped record header bit
+    packs[1].write_bytes(raw)
+    packs[2].write_bytes(packs[2].read_bytes()[:-100])  # truncated
+    packs[3].write_bytes(b"")  # zero length
+    other = StoreNamespace("other-weights", "tok", "layout", 16, "float32", (0,), "full")
+    theirs = pack_tier(tmp_path / "other2", other)
+    theirs.write_batch([(key_of(4), payload_of(4), "chat")], time.time())
+    packs[4].write_bytes((theirs.packs_dir / theirs.index[key_of(4)].pack.name).read_bytes())  # another model's
+    reader = pack_tier(tmp_path)
+    now = time.time()
+    assert reader.counters.corrupt_reads == 3  # truncated, empty, foreign: found by the index rebuild
+    assert [reader.read(key_of(i), now) is None for i in range(6)] == [True] * 5 + [False]
+    assert reader.counters.corrupt_reads == 5
+    assert [p.exists() for p in packs.values()] == [False] * 5 + [True]
+    assert bytes(reader.read(key_of(5), now)) == payload_of(5)
+
+
+def test_per_block_files_of_the_old_disk_format_are_counted_misses(tmp_path: Path) -> None:
+    old = tier(tmp_path)  # the previous disk tier wrote one file per block, as the shared tier does
+    old.write_batch([(key_of(i), payload_of(i), "chat") for i in range(3)], time.time())
+    assert len(list(tmp_path.rglob("*.kvb"))) == 3
+    t = pack_tier(tmp_path)
+    assert t.counters.corrupt_reads == 3 and not t.index and not list(tmp_path.rglob("*.kvb"))

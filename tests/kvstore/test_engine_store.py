@@ -14,6 +14,7 @@ import torch
 
 from deepinfer import LLM, SamplingParams
 from deepinfer.kvstore.config import KVStoreConfig
+from deepinfer.kvstore.record import HEADER_SIZE
 from tests.conftest import REPO_ROOT
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
@@ -55,21 +56,18 @@ def test_bad_files_are_counted_misses_and_the_output_is_unchanged(tiny_model: Pa
     llm = make(tiny_model, path=str(tmp_path))
     llm.generate([p], GREEDY)
     llm.engine.kv_connector.store.flush(10)
-    files = sorted(tmp_path.rglob("*.kvb"), key=lambda f: f.stat().st_atime_ns)
-    assert len(files) == 12
-    times = [(f.stat().st_atime, f.stat().st_mtime) for f in files]
-    raw = bytearray(files[5].read_bytes())
-    raw[-7] ^= 0x04  # one flipped bit in block 5's payload (which of the 12 does not matter)
-    files[5].write_bytes(raw)
-    files[8].write_bytes(b"")
-    for f, t in zip(files, times):
-        if f.exists():
-            os.utime(f, t)
+    packs = list(tmp_path.rglob("*.kvp"))
+    assert packs and llm.engine.kv_store_stats()["tiers"]["disk"]["writes"] == 12
+    raw = bytearray(packs[0].read_bytes())
+    raw[HEADER_SIZE + 7] ^= 0x04  # one flipped bit in the pack's first block's payload
+    packs[0].write_bytes(raw)
+    (packs[0].parent / "empty.kvp").write_bytes(b"")  # and a zero-length pack
     restarted = make(tiny_model, path=str(tmp_path))
     out = restarted.generate([p], GREEDY)[0]
     assert out.outputs[0].token_ids == cold
     assert out.num_cached_tokens < 192
-    assert restarted.engine.kv_store_stats()["tiers"]["disk"]["corrupt_reads"] >= 1
+    assert restarted.engine.kv_store_stats()["tiers"]["disk"]["corrupt_reads"] >= 2
+    assert not packs[0].exists() and not (packs[0].parent / "empty.kvp").exists()
 
 
 def test_another_model_or_layout_never_hits(tiny_model: Path, tmp_path: Path) -> None:

@@ -10,10 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from deepinfer.kvstore import file_tier
+from deepinfer.kvstore import pack_tier
 from deepinfer.kvstore.file_tier import FileTier
 from deepinfer.kvstore.keys import StoreNamespace, store_key
 from deepinfer.kvstore.metrics import TierCounters
+from deepinfer.kvstore.pack_tier import PackTier
 from deepinfer.kvstore.retention import DEFAULT_TTLS, RetentionPolicy
 from deepinfer.kvstore.store import DirSpec, KVStore
 
@@ -53,9 +54,7 @@ def test_a_full_backlog_drops_saves_to_host_only_and_counts_them(tmp_path: Path)
     assert store.flush(30)
     assert store.host.leases == {}  # the dropped saves' slots were released, not leaked
     store.close()
-    disk = FileTier(
-        "disk", tmp_path, NS.digest(), NS.describe(), 1 << 20, False, POLICY, TierCounters(), time.time
-    )
+    disk = tier(tmp_path)
     assert [disk.read(k, time.time()) is not None for k in ks] == [True] * 4 + [False] * 7
     assert bytes(disk.read(ks[3], time.time())) == bytes([3]) * 256
 
@@ -65,44 +64,33 @@ def test_max_pending_writes_must_be_positive(tmp_path: Path) -> None:
         KVStore(NS, 256, 4, POLICY, disk=DirSpec(tmp_path, 1 << 20), max_pending_writes=0)
 
 
-def tier(root: Path) -> FileTier:
-    return FileTier(
-        "disk", root, NS.digest(), NS.describe(), 1 << 30, False, POLICY, TierCounters(), time.time
-    )
+def tier(root: Path) -> PackTier:
+    return PackTier("disk", root, NS.digest(), NS.describe(), 1 << 30, POLICY, TierCounters(), time.time)
 
 
-@pytest.mark.skipif(file_tier._syncfs is None, reason="syncfs is Linux's")
-def test_a_local_batch_is_synced_twice_not_per_file_and_fails_with_no_name_visible(
+def test_a_disk_batch_is_one_pack_synced_once_and_a_failure_leaves_no_name(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    calls = []
-    real = file_tier._syncfs
+    synced = []
+    real_fsync = os.fsync
     t = tier(tmp_path)
-    monkeypatch.setattr(file_tier, "_syncfs", lambda fd: (calls.append(fd), real(fd)))
-    monkeypatch.setattr(file_tier.os, "fsync", lambda fd: pytest.fail("a local batch fsynced one file"))
+    monkeypatch.setattr(pack_tier.os, "fsync", lambda fd: (synced.append(fd), real_fsync(fd)))
     ks = keys(20)
     t.write_batch([(k, bytes([i]) * 5000, "chat") for i, k in enumerate(ks)], time.time())
-    assert len(calls) == 2  # the temporaries, then the directories
-    assert t.counters.writes == 20
+    assert len(synced) == 2  # the pack, then its folder: not one per block
+    assert len(list(tmp_path.rglob("*.kvp"))) == 1 and t.counters.writes == 20
     assert all(bytes(t.read(k, time.time())) == bytes([i]) * 5000 for i, k in enumerate(ks))
     assert not list(tmp_path.rglob(".tmp.*"))
 
-    # A failure while staging a batch: nothing of it gets a name, no temporary file is left.
-    write_tmp = file_tier._write_tmp
-    staged = []
+    # A failure while writing a batch: nothing of it gets a name, no temporary file is left.
+    def full(fd, buffers):
+        raise OSError(28, "No space left on device")
 
-    def failing(tmp, *args, **kwargs):
-        if len(staged) == 3:
-            raise OSError(28, "No space left on device")
-        staged.append(tmp)
-        write_tmp(tmp, *args, **kwargs)
-
-    monkeypatch.setattr(file_tier, "_write_tmp", failing)
+    monkeypatch.setattr(pack_tier.os, "writev", full)
     more = [store_key(NS.digest(), bytes([100 + i]) * 16) for i in range(6)]
     with pytest.raises(OSError, match="No space"):
         t.write_batch([(k, b"y" * 5000, "chat") for k in more], time.time())
-    assert len(staged) == 3
-    assert not any(t.path(k).exists() for k in more) and all(k not in t.index for k in more)
+    assert all(k not in t.index for k in more) and len(list(tmp_path.rglob("*.kvp"))) == 1
     assert not list(tmp_path.rglob(".tmp.*"))
     assert tier(tmp_path).index.keys() == set(ks)  # a restart sees exactly the committed batch
 
@@ -110,8 +98,7 @@ def test_a_local_batch_is_synced_twice_not_per_file_and_fails_with_no_name_visib
 def test_a_shared_tier_fsyncs_each_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     synced = []
     real = os.fsync
-    monkeypatch.setattr(file_tier.os, "fsync", lambda fd: (synced.append(fd), real(fd)))
-    monkeypatch.setattr(file_tier, "_syncfs", lambda fd: pytest.fail("syncfs on a shared tier"))
+    monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(fd), real(fd)))
     t = FileTier(
         "shared", tmp_path, NS.digest(), NS.describe(), 1 << 30, True, POLICY, TierCounters(), time.time
     )
