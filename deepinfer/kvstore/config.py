@@ -12,7 +12,7 @@ import secrets
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from deepinfer.kvstore.retention import DEFAULT_TTLS, parse_ttls
 
@@ -73,6 +73,17 @@ class KVStoreConfig(BaseModel):
     def _writable(cls, value: str | None) -> str | None:
         if value is not None:
             check_writable(Path(value))
+        return value
+
+    @field_validator("shared_path")
+    @classmethod
+    def _not_the_disk_path(cls, value: str | None, info: ValidationInfo) -> str | None:
+        path = info.data.get("path")
+        if value is not None and path is not None and Path(value).resolve() == Path(path).resolve():
+            raise ValueError(
+                f"{value} is also the disk tier's path; the disk tier (pack files) and the shared "
+                "tier (a file per block) need their own directories"
+            )
         return value
 
     @model_validator(mode="after")

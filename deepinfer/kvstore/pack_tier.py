@@ -336,7 +336,7 @@ class PackTier:
                 self.touch(key, now, cls)
             elif key not in seen:
                 seen.add(key)
-                new.append((key, memoryview(payload).cast("B"), cls))
+                new.append((key, payload, cls))
         with self.lock:
             touched, self._touched = self._touched, {}
         bufs: list[bytes | memoryview] = []
@@ -344,7 +344,7 @@ class PackTier:
         offset = 0
         for key, payload, cls in new:
             header = record.encode_header(key, self.namespace, payload, now, cls)
-            length = len(header) + len(payload)
+            length = len(header) + memoryview(payload).nbytes
             entries.append(PackEntry(key, offset, length, now, self.policy.expiry(None, now, cls), DATA))
             bufs += (header, payload)
             offset += length
@@ -495,15 +495,14 @@ def _write_synced(tmp: str, bufs: list[bytes | memoryview]) -> None:
     ``writev`` copies the whole batch with the GIL released."""
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     try:
-        pending = [memoryview(b).cast("B") for b in bufs]
-        first = 0
+        pending, first = list(bufs), 0
         while first < len(pending):
             written = os.writev(fd, pending[first : first + MAX_IOV])
-            while first < len(pending) and written >= len(pending[first]):
-                written -= len(pending[first])
+            while first < len(pending) and written >= memoryview(pending[first]).nbytes:
+                written -= memoryview(pending[first]).nbytes
                 first += 1
             if written:  # a short write inside a buffer: go on from there
-                pending[first] = pending[first][written:]
+                pending[first] = memoryview(pending[first]).cast("B")[written:]
         os.fsync(fd)
     except BaseException:
         os.close(fd)

@@ -38,6 +38,10 @@ def parse(*argv: str) -> argparse.Namespace:
         (("--kv-ttl", "agent=3days"), "error: --kv-ttl: '3days' is not a positive duration"),
         (("--kv-ttl", "agent"), "error: --kv-ttl: 'agent' is not CLASS=DURATION"),
         (("--kv-default-class", "batch"), "error: --kv-default-class: default_class 'batch' has no TTL"),
+        (
+            ("--kv-store-path", "/tmp", "--kv-shared-path", "/tmp/"),
+            "error: --kv-shared-path: /tmp/ is also the disk tier's path",
+        ),
     ],
 )
 def test_bad_options_are_one_line_naming_the_option(argv: tuple[str, ...], message: str) -> None:
@@ -66,7 +70,9 @@ def run_cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, list[d
     return rc, json.loads(capsys.readouterr().out)
 
 
-def test_stats_verify_and_gc_of_a_disk_tier_of_packs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_stats_verify_and_gc_of_a_disk_tier_of_packs(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     ns = StoreNamespace("w", "t", "layout", 16, "float32", (0,), "full")
     policy = RetentionPolicy(dict(DEFAULT_TTLS), "chat")
     tier = PackTier("disk", tmp_path, ns.digest(), ns.describe(), 1 << 30, policy, TierCounters(), time.time)

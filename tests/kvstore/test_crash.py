@@ -136,7 +136,9 @@ def test_flipped_truncated_empty_and_foreign_packs_are_counted_misses_and_remove
     other = StoreNamespace("other-weights", "tok", "layout", 16, "float32", (0,), "full")
     theirs = pack_tier(tmp_path / "other2", other)
     theirs.write_batch([(key_of(4), payload_of(4), "chat")], time.time())
-    packs[4].write_bytes((theirs.packs_dir / theirs.index[key_of(4)].pack.name).read_bytes())  # another model's
+    packs[4].write_bytes(
+        (theirs.packs_dir / theirs.index[key_of(4)].pack.name).read_bytes()
+    )  # another model's
     reader = pack_tier(tmp_path)
     now = time.time()
     assert reader.counters.corrupt_reads == 3  # truncated, empty, foreign: found by the index rebuild
