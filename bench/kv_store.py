@@ -47,7 +47,7 @@ def ttft(llm: LLM, prompt: list[int]) -> tuple[float, int, list[int]]:
 
 
 def drop_page_cache(folder: Path) -> None:
-    for path in folder.rglob("*.kvb"):
+    for path in folder.rglob("*.kvp"):  # the disk tier's pack files
         fd = os.open(path, os.O_RDONLY)
         try:
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)

@@ -8,8 +8,8 @@ side (which request holds which device block, the in-memory prefix index) stays 
 what a prefill worker hands a decode worker's blocks through.
 
 Modules: ``keys`` (the versioned key namespace), ``record`` (the on-disk block format),
-``retention`` (pure TTL and eviction policy, clock injected), ``host_tier`` / ``file_tier`` (the
-tiers), ``store`` (the tiered store with asynchronous batched load/save and leases), ``metrics``
+``retention`` (pure TTL and eviction policy, clock injected), ``host_tier`` / ``pack_tier`` (local
+disk: a pack file per write batch) / ``file_tier`` (shared mount: a file per block) (the tiers), ``store`` (the tiered store with asynchronous batched load/save and leases), ``metrics``
 (plain-data counters), ``connector`` (the engine's hooks), ``config`` (``KVStoreConfig``) and ``cli``.
 Importing this package imports nothing heavy; torch is needed only by the host tier and connector.
 """
