@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -142,8 +143,11 @@ def workers_running(
     startup_timeout_s: float = 300.0,
 ) -> Iterator[list[WorkerProcess]]:
     """Start ``counts[role]`` workers of each role, wait until all are healthy, yield them; stop them
-    all on exit, however it is left."""
-    log_dir = log_dir or Path(tempfile.mkdtemp(prefix="deepinfer-cluster-"))
+    all on exit, however it is left. Their logs go to ``log_dir`` (created if missing, kept), or to a
+    temporary directory removed once the workers are stopped (errors raised here carry the log's tail)."""
+    own_dir = log_dir is None
+    log_dir = Path(tempfile.mkdtemp(prefix="deepinfer-cluster-")) if log_dir is None else log_dir
+    log_dir.mkdir(parents=True, exist_ok=True)
     workers: list[WorkerProcess] = []
     try:
         for role, n in counts.items():
@@ -153,6 +157,8 @@ def workers_running(
         yield workers
     finally:
         stop_workers(workers)
+        if own_dir:
+            shutil.rmtree(log_dir, ignore_errors=True)
 
 
 @contextlib.contextmanager
@@ -211,10 +217,11 @@ def run_cluster(
     threads: int | None,
     router_config,
     serve_router: Callable[..., None],
+    log_dir: Path | None = None,
 ) -> int:
     """Start the workers, then the router on ``router_config.port`` until Ctrl-C / SIGTERM
-    (``serve_router(config)`` runs it: passed in by the command line, which owns the router's start)."""
-    log_dir = Path(tempfile.mkdtemp(prefix="deepinfer-cluster-"))
+    (``serve_router(config)`` runs it: passed in by the command line, which owns the router's start).
+    Worker logs: ``log_dir`` (kept), else a temporary directory removed at exit."""
     previous = signal.signal(signal.SIGTERM, _sigterm_as_interrupt)  # startup is interruptible too
     try:
         with workers_running(counts, model, serve_args, threads, log_dir) as workers:
