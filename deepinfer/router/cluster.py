@@ -162,22 +162,22 @@ def workers_running(
 
 
 @contextlib.contextmanager
-def cluster_process(
+def cli_process(
     args: Sequence[str],
     log: Path,
-    what: str = "cluster",
+    what: str,
     ready_s: float = 300.0,
     env: Mapping[str, str] | None = None,
 ) -> Iterator[str]:
-    """``deepinfer cluster --port <free port> *args`` as a child process (its own session; SIGTERM if
-    this process dies; ``env``: its environment, default this process's), stdout and stderr in
-    ``log``. Yields the router's URL once its ``/health`` is ok; on exit SIGTERM, then after 60 s
-    SIGKILL of its process group. Raises if it exits or is not healthy within ``ready_s``, naming
-    ``what`` with the log's tail."""
+    """``deepinfer <args> --port <free port>`` (``serve``, ``router`` or ``cluster``) as a child
+    process (its own session; SIGTERM if this process dies; ``env``: its environment, default this
+    process's), stdout and stderr in ``log``. Yields its loopback URL once ``/health`` says ``ok``; on
+    exit SIGTERM, then after 60 s SIGKILL of its process group. Raises if it exits or is not healthy
+    within ``ready_s``, naming ``what`` with the log's tail."""
     import httpx  # the caller's side only: the engine path never imports an HTTP client
 
     port = free_port()
-    cmd = [sys.executable, "-m", "deepinfer.cli", "cluster", "--port", str(port), *args]
+    cmd = [sys.executable, "-m", "deepinfer.cli", *args, "--port", str(port)]
     with open(log, "wb") as out:
         process = subprocess.Popen(
             cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=_die_with_parent,
@@ -188,13 +188,13 @@ def cluster_process(
         deadline = time.monotonic() + ready_s
         while True:
             if process.poll() is not None:
-                raise RuntimeError(f"the {what} exited ({process.returncode}):\n{log.read_text()[-3000:]}")
+                raise RuntimeError(f"{what} exited ({process.returncode}):\n{log.read_text()[-3000:]}")
             with contextlib.suppress(httpx.HTTPError, ValueError):
                 if httpx.get(f"{url}/health", timeout=2).json()["status"] == "ok":
                     break
             if time.monotonic() > deadline:
-                raise TimeoutError(f"the {what} was not healthy in {ready_s:g} s:\n{log.read_text()[-3000:]}")
-            time.sleep(0.5)
+                raise TimeoutError(f"{what} was not healthy in {ready_s:g} s:\n{log.read_text()[-3000:]}")
+            time.sleep(0.25)
         yield url
     finally:
         with contextlib.suppress(ProcessLookupError):

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import httpx
 
-from deepinfer.router.cluster import cluster_process
+from deepinfer.router.cluster import cli_process
 
 
 @dataclass
@@ -70,7 +70,7 @@ def running_cluster(tmp_path: Path, *args: str, timeout_s: float = 180.0) -> Ite
     env = {**os.environ, "DEEPINFER_CPU_BACKEND": "reference", "TMPDIR": str(scratch)}
     workers: dict[str, dict] = {}
     try:
-        with cluster_process(args, log, "deepinfer cluster", timeout_s, env) as url:
+        with cli_process(("cluster", *args), log, "deepinfer cluster", timeout_s, env) as url:
             for m in re.finditer(r"(\w+) worker pid (\d+) at (\S+)", log.read_text()):
                 workers[m.group(3)] = {"role": m.group(1), "pid": int(m.group(2))}
             yield Cluster(url, log, workers)
