@@ -7,6 +7,8 @@ from pathlib import Path
 import pytest
 
 from deepinfer.kvstore.keys import StoreNamespace, store_key
+from deepinfer.kvstore.metrics import TierCounters
+from deepinfer.kvstore.pack_tier import PackTier
 from deepinfer.kvstore.record import HEADER_SIZE
 from deepinfer.kvstore.retention import (
     DEFAULT_TTLS,
@@ -165,3 +167,22 @@ def test_holds_keep_entries_from_eviction_until_released_or_expired(tmp_path: Pa
         save_all(store, [key], "chat")
     assert store.lookup(ks[:1]) == 0
     store.close()
+
+
+def test_disk_touches_persist_in_packs_and_only_the_newest_is_kept(tmp_path: Path) -> None:
+    clock = Clock()
+    policy = RetentionPolicy(dict(DEFAULT_TTLS), "chat")
+    tier = PackTier("disk", tmp_path, NS.digest(), NS.describe(), 1 << 30, policy, TierCounters(), clock)
+    ks = keys(3)
+    tier.write_batch([(k, bytes([i]) * 100, "agent") for i, k in enumerate(ks)], clock.now)
+    for _ in range(5):  # hits by chat, each written with the next batch
+        clock.now += DAY
+        tier.touch(ks[0], clock.now, "chat")
+        tier.write_batch([], clock.now)
+    assert len(list(tmp_path.rglob("*.kvp"))) == 2  # the data pack and the newest touch, not one per touch
+    clock.now += 4 * DAY  # 9 days in: the agent blocks expired, the chat-touched one lives to day 12
+    restarted = PackTier("disk", tmp_path, NS.digest(), NS.describe(), 1 << 30, policy, TierCounters(), clock)
+    assert [restarted.contains(k, clock.now) for k in ks] == [True, False, False]
+    assert bytes(restarted.read(ks[0], clock.now)) == bytes([0]) * 100
+    clock.now += 3 * DAY
+    assert restarted.collect(clock.now) == 1 and not list(tmp_path.rglob("*.kvp"))  # both packs went
