@@ -28,7 +28,8 @@ loses at most those extensions (an expiry then comes earlier, never later).
 Space: a pack stays on disk while any of its blocks is indexed there or it holds the newest touch of
 an indexed block; ``used`` is the bytes of the packs on disk. Capacity eviction removes whole packs
 (expired first, then least recently used by their blocks' newest use); held blocks keep their pack.
-Thread safety: ``lock`` guards the index, held only around index changes, never during file I/O.
+Thread safety: ``lock`` guards the index, held around index changes (and the unlinks of evicted
+packs), never while a pack is read, written or synced.
 """
 
 from __future__ import annotations
