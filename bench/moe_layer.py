@@ -59,8 +59,9 @@ def _layer_inputs():
     ids = Workload(1, (2048, 2048), 1, seed=0).prompts(llm.engine.tokenizer)[0]
     layer = model.layers[1]
     chunks: list = []
-    layer.mlp.register_forward_pre_hook(lambda _m, args: chunks.append(args[0].detach().clone()))
+    hook = layer.mlp.register_forward_pre_hook(lambda _m, args: chunks.append(args[0].detach().clone()))
     llm.generate(prompt_token_ids=[ids], sampling_params=_params())
+    hook.remove()
     x = torch.cat(chunks)[:2048]  # the prompt's chunks, in order
     if x.shape[0] != 2048:
         raise RuntimeError(f"captured {x.shape[0]} rows of layer inputs, expected 2048")

@@ -7,7 +7,8 @@
   gather, no argsort, no loop over experts in Python and no host synchronisation. An expert with fewer
   than ``MM_ROWS`` rows runs through a dot-product kernel parallel over (expert, block of output columns),
   so two threads share even one token's experts; an expert with more runs as one ``at::mm`` per matrix
-  over its gathered rows (MKL). Each token's k expert outputs are added in float32 in slot order.
+  over its gathered rows (MKL; float32 only, unless the CPU has native bf16: see ``mm_rows``). Each
+  token's k expert outputs are added in float32 in slot order.
 - ``grouped_gemm``: the same two paths over rows already grouped by expert (the large one multiplies
   each group's rows in place).
 
@@ -22,14 +23,26 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from deepinfer.backends.cpu.backend import OPS
-from deepinfer.backends.cpu.native import load
+from deepinfer.backends.cpu.native import cpu_has_bf16, load
 
 _native = load()
 
 # An expert with at least this many rows in a call is multiplied by at::mm on its gathered rows; fewer go
-# through the dot-product kernel. Measured on the bundled model's experts (D 192, I 64, fp32, 1 and 2
-# threads) with bench/moe_layer.py --threshold: the kernel wins up to 8-16 rows per expert, MKL from 32.
-MM_ROWS = 24
+# through the dot-product kernel. Measured with bench/moe_layer.py --threshold (the bundled model's experts,
+# D 192, I 64, fp32, 1 thread, every expert on one path): the kernel 3-5x faster up to 16 rows per expert,
+# 1.5x at 48, even at 64, MKL 1.25x faster at 128. Decode batches sit far below it (64 requests: 8-27 rows
+# per expert), prefill chunks far above (2048 tokens: about 512).
+MM_ROWS = 64
+# Without native bf16 arithmetic (AVX-512 BF16 / AMX), at::mm in 16-bit types measured 4-37x slower than
+# the kernel at every row count (1-128 rows per expert): such calls never take the at::mm path.
+_NEVER = 1 << 62
+_MM_DTYPES = (torch.float32, torch.bfloat16) if cpu_has_bf16() else (torch.float32,)
+
+
+def mm_rows(dtype: torch.dtype) -> int:
+    """Rows per expert from which ``fused_moe`` / ``grouped_gemm`` use at::mm for weights of ``dtype``."""
+    return MM_ROWS if dtype in _MM_DTYPES else _NEVER
+
 
 _ALIGN_BYTES = 16
 
@@ -66,9 +79,9 @@ def moe_route(
 
 @OPS.implement
 def grouped_gemm(x: Tensor, weight: Tensor, group_sizes: Tensor) -> Tensor:
-    return _native.grouped_gemm(x, weight, group_sizes, MM_ROWS)
+    return _native.grouped_gemm(x, weight, group_sizes, mm_rows(x.dtype))
 
 
 @OPS.implement
 def fused_moe(hidden: Tensor, w13: Tensor, w2: Tensor, topk_weights: Tensor, topk_ids: Tensor) -> Tensor:
-    return _native.fused_moe(hidden, w13, w2, topk_weights, topk_ids, MM_ROWS)
+    return _native.fused_moe(hidden, w13, w2, topk_weights, topk_ids, mm_rows(hidden.dtype))

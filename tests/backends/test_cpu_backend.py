@@ -145,13 +145,15 @@ def test_moe_rows(dtype, hidden, tokens) -> None:
     xs = torch.randn(int(sizes.sum()), hidden, generator=gen)
     ref_gg = REF.grouped_gemm(r(xs), r(w13), sizes)
     args = (x.to(dtype), w13.to(dtype), w2.to(dtype), weights, ids)
-    for mm_rows in (1, fast_moe.MM_ROWS, 1 << 30):
+    for mm_rows in (1, fast_moe.MM_ROWS, 1 << 30):  # all at::mm, the float32 threshold, all kernel
         out = torch.ops.deepinfer_cpu.fused_moe(*args, mm_rows)
         assert out.dtype == dtype
         assert_rows_close(f"fused_moe(mm_rows={mm_rows})", out, ref, dtype)
         out = torch.ops.deepinfer_cpu.grouped_gemm(xs.to(dtype), w13.to(dtype), sizes, mm_rows)
         assert_rows_close(f"grouped_gemm(mm_rows={mm_rows})", out, ref_gg, dtype)
-    assert torch.equal(FAST.fused_moe(*args), torch.ops.deepinfer_cpu.fused_moe(*args, fast_moe.MM_ROWS))
+    assert torch.equal(
+        FAST.fused_moe(*args), torch.ops.deepinfer_cpu.fused_moe(*args, fast_moe.mm_rows(dtype))
+    )
     with pytest.raises(ValueError, match="group_sizes sum to"):
         FAST.grouped_gemm(xs[1:].to(dtype), w13.to(dtype), sizes)
 
