@@ -85,3 +85,10 @@ def grouped_gemm(x: Tensor, weight: Tensor, group_sizes: Tensor) -> Tensor:
 @OPS.implement
 def fused_moe(hidden: Tensor, w13: Tensor, w2: Tensor, topk_weights: Tensor, topk_ids: Tensor) -> Tensor:
     return _native.fused_moe(hidden, w13, w2, topk_weights, topk_ids, mm_rows(hidden.dtype))
+
+
+OPS.declare_invariant(
+    ["moe_route"],
+    "native kernel: each token's row is scored, ranked and normalised by the same scalar code, alone, "
+    "whatever the other rows of the call or the thread that runs it",
+)

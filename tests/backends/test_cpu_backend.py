@@ -218,7 +218,7 @@ def test_deterministic_mode_runs_the_fast_backends_own_invariant_formulations() 
     routes = FAST.invariance()
     for name in ("mla_decode", "silu_and_mul", "fused_moe", "grouped_gemm"):
         assert routes[name].formulation == "invariant", routes[name]
-    for name in ("rms_norm", "add_rms_norm", "rope"):
+    for name in ("rms_norm", "add_rms_norm", "rope", "moe_route"):
         assert routes[name].formulation == "default", routes[name]
     # silu_and_mul's default is the reference's (a fallback), its deterministic formulation the backend's own
     assert FAST.default_implementation("silu_and_mul") is REF.default_implementation("silu_and_mul")
