@@ -158,6 +158,17 @@ def test_moe_rows(dtype, hidden, tokens) -> None:
         FAST.grouped_gemm(xs[1:].to(dtype), w13.to(dtype), sizes)
 
 
+def test_moe_ops_with_no_tokens() -> None:
+    """An idle data-parallel rank's zero-token forward: empty results of the right shapes."""
+    x, w13, w2 = torch.randn(0, 8), torch.randn(4, 6, 8), torch.randn(4, 8, 3)
+    assert FAST.fused_moe(x, w13, w2, torch.ones(0, 2), torch.zeros(0, 2, dtype=torch.int32)).shape == (0, 8)
+    assert FAST.grouped_gemm(x, w13, torch.zeros(4, dtype=torch.long)).shape == (0, 6)
+    weights, ids = FAST.moe_route(
+        torch.randn(0, 16), torch.zeros(16), 4, 4, 2, "sigmoid", "noaux_tc", True, 2.5
+    )
+    assert weights.shape == ids.shape == (0, 4) and ids.dtype == torch.int32
+
+
 def test_moe_ops_name_bad_input() -> None:
     x, w13, w2 = torch.randn(3, 8), torch.randn(4, 6, 8), torch.randn(4, 8, 3)
     weights, ids = torch.ones(3, 2), torch.tensor([[0, 1], [2, 3], [3, 4]], dtype=torch.int32)
