@@ -11,6 +11,8 @@ import-light so the platform can ask ``native.toolchain_problem()`` first. What 
 - ``kv_cache_write``, ``rms_norm``, ``add_rms_norm``, ``rope``: one pass each instead of several torch
   ops (at small batches a decode step is mostly op dispatch). ``silu_and_mul`` stays torch's: its
   vectorised SiLU beat a one-pass kernel here.
+- ``linear``: the per-head form (MLA's absorbed W_UK / W_UV) as one ``bmm`` on strided views; the
+  reference's ``einsum`` spends several times the product in planning at decode batch sizes.
 - ``grouped_gemm``, ``fused_moe``: ``torch._grouped_mm`` over expert-sorted rows, no Python loop over
   experts and no host synchronisation.
 """
