@@ -12,13 +12,9 @@ then this tree, each in a fresh process with the same thread count and malloc se
 process reports the median over many calls of each size, and the report gives every rep's figure, the
 median over reps per side and the ratio of medians (baseline / new: above 1 means this tree is faster).
 
-``--offline`` runs ``deepinfer bench offline`` instead, on both trees alternately (fresh processes, the
-same threads and malloc settings): 1 request of 128 prompt tokens and 128 out, and the 64-request
-default workload (prompts 64-1024, 128 out); output tokens per second per rep, medians and their ratio.
-
 ``--threshold`` sweeps rows per expert for ``fused_moe``'s two paths (the dot-product kernel against at::mm
 on the gathered rows), to choose ``backends/cpu/moe.py``'s ``MM_ROWS``. About 4 minutes with the
-defaults on a quiet 2-core host (``--offline``: about 10 minutes with --reps 3 --threads 2).
+defaults on a quiet 2-core host. End to end, tree against tree: ``bench/tree_ab.py``.
 """
 
 from __future__ import annotations
@@ -37,10 +33,6 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 SIZES = {"decode 1": 1, "decode 8": 8, "decode 64": 64, "prefill 2048": 2048}
-OFFLINE = {
-    "1 request, 128-token prompt, 128 out": ["--num-requests", "1", "--input-len-range", "128", "128"],
-    "64 requests, prompts 64-1024, 128 out": [],  # bench offline's defaults
-}
 
 
 def _median_us(fn, tokens: int) -> float:
@@ -186,44 +178,6 @@ def compare(args: argparse.Namespace) -> dict:
     return report
 
 
-def offline(args: argparse.Namespace) -> dict:
-    report: dict = {"baseline": args.baseline, "reps": args.reps, "by_threads": {}}
-    with tempfile.TemporaryDirectory() as tmp_name:
-        baseline = _baseline_tree(args.baseline, Path(tmp_name))
-        for threads in args.threads:
-            block: dict = {}
-            for workload, extra in OFFLINE.items():
-                reps: dict[str, list[dict]] = {"baseline": [], "new": []}
-                for _rep in range(args.reps):
-                    for side, tree in (("baseline", baseline), ("new", REPO)):
-                        load = os.getloadavg()[0]
-                        cmd = [sys.executable, "-m", "deepinfer.cli", "bench", "offline", "--threads", str(threads),
-                               "--output-len", "128", "--json", *extra]  # fmt: skip
-                        proc = subprocess.run(
-                            cmd,
-                            env=_env(tree, threads),
-                            cwd=tree,
-                            capture_output=True,
-                            text=True,
-                            timeout=1800,
-                        )
-                        if proc.returncode != 0:
-                            raise RuntimeError(f"bench offline in {tree} failed:\n{proc.stderr[-3000:]}")
-                        result = json.loads(proc.stdout)
-                        reps[side].append(
-                            {"load": load, "output_tokens_per_s": result["output_tokens_per_s"]}
-                        )
-                        print(f"threads {threads} {workload} {side}: {reps[side][-1]}", flush=True)
-                med = {s: statistics.median(r["output_tokens_per_s"] for r in reps[s]) for s in reps}
-                block[workload] = {
-                    "reps": reps,
-                    "median_tok_s": med,
-                    "new/baseline": med["new"] / med["baseline"],
-                }
-            report["by_threads"][str(threads)] = block
-    return report
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -232,7 +186,6 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--threshold", action="store_true", help="sweep fused_moe's two paths instead")
-    parser.add_argument("--offline", action="store_true", help="end to end: deepinfer bench offline, A/B")
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--child", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--threshold-child", type=Path, help=argparse.SUPPRESS)
@@ -244,21 +197,13 @@ def main() -> None:
     if args.threshold:
         with tempfile.TemporaryDirectory() as tmp:
             report = {str(t): _run(REPO, t, "threshold-child", Path(tmp)) for t in args.threads}
-    elif args.offline:
-        report = offline(args)
     else:
         report = compare(args)
     text = json.dumps(report, indent=1)
     print(text if args.out is None else f"written to {args.out}")
     if args.out is not None:
         args.out.write_text(text + "\n")
-    if args.offline:
-        for threads, block in report["by_threads"].items():
-            for workload, r in block.items():
-                med = r["median_tok_s"]
-                print(f"threads {threads} {workload}: {med['baseline']:.1f} -> {med['new']:.1f} tok/s "
-                      f"({r['new/baseline']:.2f}x)")  # fmt: skip
-    elif not args.threshold:
+    if not args.threshold:
         for threads, block in report["by_threads"].items():
             for size, metrics in block["median"].items():
                 cells = "  ".join(
