@@ -11,6 +11,8 @@ from __future__ import annotations
 import os
 import platform as _stdlib_platform
 
+import torch
+
 from deepinfer import envs
 from deepinfer.logger import get_logger
 from deepinfer.platform.interface import Detection, Platform, PlatformUnavailableError
@@ -68,3 +70,12 @@ class CpuPlatform(Platform):
     def mem_get_info(self, index: int = 0) -> tuple[int, int]:
         page = os.sysconf("SC_PAGE_SIZE")
         return os.sysconf("SC_AVPHYS_PAGES") * page, os.sysconf("SC_PHYS_PAGES") * page
+
+    def lm_head_layout(self, weight: torch.Tensor) -> torch.Tensor:
+        """float32: D-major (a [D, V] contiguous copy, seen as its [V, D] transpose). MKL's float32
+        ``[n, D] x [V, D]^T`` at n = 1-2 rows ran 2.5-3.5x faster reading it than the loaded V-major
+        layout (bundled model, V = 8192, D = 192; n >= 8 about the same); bf16 is kept as loaded,
+        which ran 10x faster than D-major."""
+        if weight.dtype != torch.float32:
+            return weight
+        return weight.t().contiguous().t()

@@ -129,6 +129,12 @@ class Platform(ABC):
         """A fresh graph-capture wrapper; the default runs eagerly."""
         return EagerGraph()
 
+    def lm_head_layout(self, weight: torch.Tensor) -> torch.Tensor:
+        """The LM head's weight [V, D] laid out as this platform's GEMMs read it fastest at decode
+        (a few rows against a wide vocabulary): the same shape and values, possibly other strides.
+        The default keeps it as loaded."""
+        return weight
+
     def describe(self) -> str:
         return f"{self.name} ({self.device_name}; chip {self.chip.key}, role {self.node_role.value})"
 

@@ -1,4 +1,4 @@
-"""The fast CPU backend: C++/OpenMP kernels where they pay, torch's grouped GEMM for the MoE.
+"""The fast CPU backend: C++/OpenMP kernels where they pay.
 
 Selected by the ``cpu`` platform (``DEEPINFER_CPU_BACKEND``: ``auto`` | ``fast`` | ``reference``) and
 checked against the reference backend by the conformance suite like any vendor backend. The op table
@@ -11,6 +11,9 @@ import-light so the platform can ask ``native.toolchain_problem()`` first. What 
 - ``kv_cache_write``, ``rms_norm``, ``add_rms_norm``, ``rope``: one pass each instead of several torch
   ops (at small batches a decode step is mostly op dispatch). ``silu_and_mul`` stays torch's: its
   vectorised SiLU beat a one-pass kernel here.
-- ``grouped_gemm``, ``fused_moe``: ``torch._grouped_mm`` over expert-sorted rows, no Python loop over
-  experts and no host synchronisation.
+- ``linear``: the per-head form (MLA's absorbed W_UK / W_UV) as one ``bmm`` on strided views; the
+  reference's ``einsum`` spends several times the product in planning at decode batch sizes.
+- ``moe_route``, ``grouped_gemm``, ``fused_moe``: one native pass for routing; the experts' weights read
+  in place by a dot-product kernel at small row counts and by MKL over each expert's gathered rows at
+  large ones, no argsort, no Python loop over experts and no host synchronisation (``moe``).
 """

@@ -4,10 +4,10 @@ from deepinfer.backends.registry import OpTable
 
 OPS = OpTable("deepinfer.backends.cpu.backend")
 
-from deepinfer.backends.cpu import attention, cache, deterministic, moe, norm  # noqa: E402  (submodules register into OPS)
+from deepinfer.backends.cpu import attention, cache, deterministic, linear, moe, norm  # noqa: E402  (submodules register into OPS)
 
 OPS.use_reference_for(
-    ["moe_route", "ep_dispatch", "ep_combine", "sample"],
+    ["ep_dispatch", "ep_combine", "sample"],
     "already vectorised torch without loops; a kernel would save only dispatch time",
 )
 OPS.use_reference_for(
@@ -16,9 +16,8 @@ OPS.use_reference_for(
 )
 OPS.use_reference_for(["kv_cache_gather"], "one index_select reads each row once")
 OPS.use_reference_for(["mla_prefill"], "torch's fused CPU attention per request; no faster kernel yet")
-OPS.use_reference_for(["linear"], "F.linear is MKL already")
 # Deterministic mode: the invariant attention kernel and grouped products, and the kernels declared
 # invariant, are in ``deterministic``.
 OPS.declare_invariant(["kv_cache_spec", "kv_cache_write"], "the reference's layout; row copies")
 
-__all__ = ["OPS", "attention", "cache", "deterministic", "moe", "norm"]
+__all__ = ["OPS", "attention", "cache", "deterministic", "linear", "moe", "norm"]

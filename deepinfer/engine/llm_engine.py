@@ -82,6 +82,9 @@ class LLMEngine:
         raw_dtype = _checkpoint_dtype(folder)
         self.dtype = _resolve_dtype(config, self.platform, raw_dtype)
         self.model, self.checkpoint = load_model(folder, self.dtype, self.device, shard)
+        if self.model.lm_head is not None:  # a tied head is the embedding table: kept row-major
+            head = self.model.lm_head.weight
+            head.data = self.platform.lm_head_layout(head.data)
         self.model_config = self.model.config
         tokenizer_dir = Path(config.tokenizer or config.model)
         self.tokenizer = Tokenizer(tokenizer_dir) if (tokenizer_dir / "tokenizer.json").is_file() else None

@@ -34,7 +34,8 @@ class MLAAttention(nn.Module):
         self.window = c.window_of(layer)
         self.interleaved = c.rope_interleave
         bias = c.attention_bias
-        if c.q_lora_rank:
+        self.q_lora = bool(c.q_lora_rank)
+        if self.q_lora:
             self.q_a_proj = Linear(c.hidden_size, c.q_lora_rank, bias, dtype, device)
             self.q_a_layernorm = RMSNorm(c.q_lora_rank, c.rms_norm_eps, dtype, device)
             self.q_b_proj = Linear(c.q_lora_rank, self.heads * c.qk_head_dim, False, dtype, device)
@@ -61,10 +62,10 @@ class MLAAttention(nn.Module):
         cos_sin: Tensor,
     ) -> Tensor:
         num_tokens = hidden.shape[0]
-        if hasattr(self, "q_proj"):
-            q = self.q_proj(hidden)
-        else:
+        if self.q_lora:
             q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden)))
+        else:
+            q = self.q_proj(hidden)
         q = q.view(num_tokens, self.heads, self.nope + self.rope_dim)
         q_nope, q_pe = q.split((self.nope, self.rope_dim), dim=-1)
         kv_c, k_pe = self.kv_a_proj_with_mqa(hidden).split((self.latent, self.rope_dim), dim=-1)
@@ -73,8 +74,8 @@ class MLAAttention(nn.Module):
         keep_cached = self.window is None and meta.full_slot_mapping is not None
         ops.kv_cache_write(kv_c, k_pe, kv_cache, meta.full_slot_mapping if keep_cached else meta.slot_mapping)
 
-        out = hidden.new_empty(num_tokens, self.heads, self.v_dim)
         num_decode = meta.num_decode_tokens
+        parts = []  # [T_part, H, Dv]: the decode tokens' attention output, then the prefill tokens'
         if meta.decode is not None:
             d = meta.decode
             q_latent = ops.linear(q_nope[:num_decode], self.w_uk, None)
@@ -89,30 +90,33 @@ class MLAAttention(nn.Module):
                 self.scale,
                 self.window,
             )
-            out[:num_decode] = ops.linear(o_latent, self.w_uv, None)
+            parts.append(ops.linear(o_latent, self.w_uv, None))
         if meta.prefill is not None:
             p = meta.prefill
             q_prefill = torch.cat((q_nope[num_decode:], q_pe[num_decode:]), dim=-1)
             if p.context_tiles and self.window is None:
-                out[num_decode:] = self._tiled_prefill(q_prefill, p, meta.slot_mapping[num_decode:], kv_cache)
+                parts.append(self._tiled_prefill(q_prefill, p, meta.slot_mapping[num_decode:], kv_cache))
             else:
                 if p.context_slots is None:
                     ctx_c, ctx_pe = kv_c[num_decode:], k_pe[num_decode:]
                 else:
                     ctx_c, ctx_pe = ops.kv_cache_gather(kv_cache, p.context_slots, self.latent)
                 k, v = self._expand(ctx_c, ctx_pe, hidden.dtype)
-                out[num_decode:] = ops.mla_prefill(
-                    q_prefill,
-                    k,
-                    v,
-                    p.cu_seqlens_q,
-                    p.cu_seqlens_k,
-                    p.max_seqlen_q,
-                    p.max_seqlen_k,
-                    self.scale,
-                    self.window,
+                parts.append(
+                    ops.mla_prefill(
+                        q_prefill,
+                        k,
+                        v,
+                        p.cu_seqlens_q,
+                        p.cu_seqlens_k,
+                        p.max_seqlen_q,
+                        p.max_seqlen_k,
+                        self.scale,
+                        self.window,
+                    )
                 )
-        return self.o_proj(out.view(num_tokens, self.heads * self.v_dim))
+        out = parts[0] if len(parts) == 1 else torch.cat(parts)
+        return self.o_proj(out.reshape(num_tokens, self.heads * self.v_dim))
 
     def _expand(self, latent: Tensor, k_pe: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         """Cached rows [N, L] and [N, R] -> per-head keys [N, H, Dn + R] and values [N, H, Dv]."""

@@ -159,7 +159,12 @@ class ModelRunner:
         the sampled tokens keeps the output identical, greedy or not; the first mismatch is the
         request's new token.
         """
-        logits = self.model.compute_logits(hidden[torch.tensor(plan.hidden_rows, device=self.device)])
+        first, count = plan.hidden_rows[0], len(plan.hidden_rows)
+        if plan.hidden_rows == list(range(first, first + count)):
+            picked = hidden[first : first + count]  # consecutive rows (a decode-only step): a view
+        else:
+            picked = hidden[torch.tensor(plan.hidden_rows, device=self.device)]
+        logits = self.model.compute_logits(picked)
         result = sample_rows(logits, plan.rows, self.eos_token_ids, self.penalties, bitmask)
         for r, start, drafts in plan.spans:
             tokens = result.token_ids[start : start + len(drafts) + 1]

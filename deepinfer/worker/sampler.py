@@ -107,15 +107,20 @@ def sample_rows(
         if bitmask is not None:
             ops.apply_token_bitmask(logits, bitmask.to(logits.device))
     params = [r.sampling_params for r in rows]
-    tokens = ops.sample(
-        logits,
-        torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device),
-        torch.tensor([max(p.top_k, 0) for p in params], dtype=torch.int32, device=device),
-        torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device),
-        torch.tensor([p.min_p for p in params], dtype=torch.float32, device=device),
-        torch.tensor([r.seed for r in rows], dtype=torch.int64, device=device),
-        torch.tensor([r.offset for r in rows], dtype=torch.int64, device=device),
-    )
+    if all(p.greedy for p in params):
+        # Every row greedy: the sample op's result (temperature 0 is argmax, the filters ignored),
+        # without building its six per-row parameter tensors.
+        tokens = logits.argmax(dim=-1)
+    else:
+        tokens = ops.sample(
+            logits,
+            torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device),
+            torch.tensor([max(p.top_k, 0) for p in params], dtype=torch.int32, device=device),
+            torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device),
+            torch.tensor([p.min_p for p in params], dtype=torch.float32, device=device),
+            torch.tensor([r.seed for r in rows], dtype=torch.int64, device=device),
+            torch.tensor([r.offset for r in rows], dtype=torch.int64, device=device),
+        )
     logprobs: list[list[tuple[int, float, int]] | None] = [None] * len(rows)
     wanting = [i for i, p in enumerate(params) if p.logprobs is not None]
     if wanting:
