@@ -20,7 +20,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
+import tempfile
 import time
 from pathlib import Path
 
@@ -101,34 +103,34 @@ def main() -> None:
     from deepinfer.model_zoo import default_model_path
 
     model = default_model_path()
-    if args.bias:
-        import tempfile
-
-        model = biased_copy(
-            model, Path(tempfile.mkdtemp(prefix="eplb-bench-")) / model.name, args.bias, args.hot_groups
-        )
-    workload = Workload(args.requests, tuple(args.input_len), args.output_len, seed=0)
-    prompts = workload.prompts(Tokenizer(model))
-    params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
-    common = dict(
-        data_parallel_size=2,
-        enable_expert_parallel=True,
-        num_redundant_experts=args.redundant,
-        num_kv_blocks=512,
-    )
-    a = LLM(str(model), **common)
-    b = LLM(str(model), **common, eplb_interval=args.interval, eplb_window=100_000, eplb_min_gain=0.02)
+    scratch = Path(tempfile.mkdtemp(prefix="eplb-bench-"))  # the biased copy; removed at the end
     try:
-        warmup = measure(b, prompts, params)
-        runs: dict[str, list[dict]] = {"A_static": [], "B_eplb": []}
-        for _ in range(args.reps):
-            runs["A_static"].append(measure(a, prompts, params))
-            runs["B_eplb"].append(measure(b, prompts, params))
-        identical = all(r["token_ids"] == warmup["token_ids"] for rs in runs.values() for r in rs)
-        decisions = b.engine.collect_stats()[0].decisions
+        if args.bias:
+            model = biased_copy(model, scratch / model.name, args.bias, args.hot_groups)
+        workload = Workload(args.requests, tuple(args.input_len), args.output_len, seed=0)
+        prompts = workload.prompts(Tokenizer(model))
+        params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
+        common = dict(
+            data_parallel_size=2,
+            enable_expert_parallel=True,
+            num_redundant_experts=args.redundant,
+            num_kv_blocks=512,
+        )
+        a = LLM(str(model), **common)
+        b = LLM(str(model), **common, eplb_interval=args.interval, eplb_window=100_000, eplb_min_gain=0.02)
+        try:
+            warmup = measure(b, prompts, params)
+            runs: dict[str, list[dict]] = {"A_static": [], "B_eplb": []}
+            for _ in range(args.reps):
+                runs["A_static"].append(measure(a, prompts, params))
+                runs["B_eplb"].append(measure(b, prompts, params))
+            identical = all(r["token_ids"] == warmup["token_ids"] for rs in runs.values() for r in rs)
+            decisions = b.engine.collect_stats()[0].decisions
+        finally:
+            a.close()
+            b.close()
     finally:
-        a.close()
-        b.close()
+        shutil.rmtree(scratch, ignore_errors=True)
     for rs in runs.values():
         for r in rs:
             r.pop("token_ids")

@@ -40,11 +40,11 @@ from pathlib import Path
 
 import httpx
 
-from deepinfer.bench.serve import RequestResult, _one, summarise
+from deepinfer.bench.serve import RequestResult, stream_completion, summarise
 from deepinfer.bench.sse_client import SSEConnection
 from deepinfer.bench.workload import heldout_stream
 from deepinfer.model_zoo import default_model_path
-from deepinfer.router.cluster import cluster_process
+from deepinfer.router.cluster import cli_process
 from deepinfer.tokenizer import Tokenizer
 
 MODEL = "deepinfer-tiny-coder"
@@ -64,7 +64,7 @@ def cluster(setup: str, work: Path, kv_gib: float) -> Iterator[str]:
     args = ["--kv-store-path", str(store), "--worker-kv-cache-gib", str(kv_gib), "--serve-args=--max-model-len 8192",
             "--log-level", "warning", "--first-byte-timeout-s", "900", "--request-timeout-s", "1200",
             *SETUPS[setup]]  # fmt: skip
-    with cluster_process(args, work / f"cluster-{setup}.log", f"{setup} cluster") as url:
+    with cli_process(["cluster", *args], work / f"cluster-{setup}.log", f"the {setup} cluster") as url:
         yield url
 
 
@@ -107,7 +107,7 @@ async def run(url: str, plan: list[tuple[float, list[int], int, str]]) -> dict[s
         await asyncio.sleep(max(0.0, at - (time.perf_counter() - start)))
         conn = SSEConnection(address.host, address.port)  # one connection a request: none waits on another
         try:
-            return await _one(conn, MODEL, prompt, n, None)
+            return await stream_completion(conn, MODEL, prompt, n, None)
         finally:
             conn.close()
 

@@ -27,9 +27,7 @@ import asyncio
 import json
 import os
 import random
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -39,7 +37,7 @@ import httpx
 
 from deepinfer.engine.cost_model import StepCostModel
 from deepinfer.router.balance import balance, request_cost
-from deepinfer.router.cluster import LOOPBACK, free_port, workers_running
+from deepinfer.router.cluster import cli_process, workers_running
 from deepinfer.router.measure import BusyMeter
 from deepinfer.router.proxy import PREFILL_WORKER_HEADER, WORKER_HEADER
 
@@ -105,38 +103,12 @@ def placement(
     return balance(placed, costs).balance
 
 
-def start_router(
-    urls: list[str], policy: str, model: str | None, decode: list[str] = ()
-) -> tuple[subprocess.Popen, str]:
-    """A router over ``urls`` (both-role workers, or prefill workers when ``decode`` is given)."""
-    port = free_port()
+def router_args(urls: list[str], policy: str, model: str | None, decode: list[str] = ()) -> list[str]:
+    """``deepinfer router`` over ``urls`` (both-role workers, or prefill workers when ``decode`` is given)."""
     pool = ["--prefill", *urls, "--decode", *decode] if decode else ["--both", *urls]
     flags = ROUTER_FLAGS.get(policy, ["--prefill-policy", policy])
-    cmd = [sys.executable, "-m", "deepinfer.cli", "router", *pool, "--port", str(port), *flags,
-           "--min-disaggregated-tokens", "0", "--log-level", "warning", *(["--model", model] if model else [])]  # fmt: skip
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
-    url = f"http://{LOOPBACK}:{port}"
-    deadline = time.monotonic() + 60
-    while True:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the router exited: {proc.stderr.read().decode()[-2000:]}")
-        try:
-            if httpx.get(f"{url}/health", timeout=2).json()["status"] == "ok":
-                return proc, url
-        except httpx.HTTPError:
-            pass
-        if time.monotonic() > deadline:
-            raise TimeoutError("the router did not start")
-        time.sleep(0.2)
-
-
-def stop(proc: subprocess.Popen) -> None:
-    os.killpg(proc.pid, signal.SIGTERM)
-    try:
-        proc.wait(timeout=20)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+    return ["router", *pool, *flags, "--min-disaggregated-tokens", "0", "--log-level", "warning",
+            *(["--model", model] if model else [])]  # fmt: skip
 
 
 def main() -> int:
@@ -175,41 +147,46 @@ def main() -> int:
     name = Path(model).name
     lengths = skewed_lengths(args.requests, args.min_len, args.max_len, args.alpha, args.seed)
     serve_args = ["--kv-cache-memory-gib", "0.5", "--max-model-len", str(args.max_len + args.output_len + 16)]
-    runs = []
-    counts = (
-        {"prefill": args.workers, "decode": args.workers} if args.disaggregated else {"both": args.workers}
-    )
-    if args.disaggregated:
-        serve_args += ["--kv-shared-path", tempfile.mkdtemp(prefix="deepinfer-balance-store-")]
-    with workers_running(counts, model, serve_args, threads=1) as workers:
-        urls = [w.url for w in workers if w.role != "decode"]
-        decode = [w.url for w in workers if w.role == "decode"]
-        for rep in range(args.reps):
-            for i, policy in enumerate(args.policies):
-                proc, url = start_router(urls, policy, args.model, decode)
-                try:
-                    meter = BusyMeter.attach(url)
-                    batch = prompts(lengths, vocab, seed=args.seed + 1000 * rep + i + 1)
-                    started = time.perf_counter()
-                    served = asyncio.run(send(url, name, batch, args.output_len, args.rate, args.seed + rep))
-                    wall = time.perf_counter() - started
-                    result = meter.finish([(n, args.output_len) for n in lengths])
-                    status = httpx.get(f"{url}/router/workers").json()
-                    cost_model = StepCostModel(**status[urls[0]]["cost_model"])
-                    slowdown = {u: status[u]["prefill_slowdown"] for u in urls}
-                    placed = placement(served, lengths, urls, cost_model, args.output_len, bool(decode))
-                finally:
-                    stop(proc)
-                ok = sum(w is not None for w in served)
-                run = {"rep": rep, "policy": policy, "completed": ok, "wall_s": wall, "load_avg_1m": os.getloadavg()[0],
-                       **result, "placement_balance": placed, "prefill_slowdown": slowdown,
-                       "prompt_workers": [urls.index(w) if w in urls else None for w in served]}  # fmt: skip
-                runs.append(run)
-                decode_part = f", decode pool {result['decode_balance']:.3f}" if decode else ""
-                print(f"rep {rep} {policy:>28}: balance {result['balance']:.3f} (placement {placed:.3f}{decode_part}), "
-                      f"busy {sorted(round(v, 2) for v in result['busy_s'].values())} s, {ok}/{len(lengths)} ok, "
-                      f"wall {wall:.1f} s, slowdown {[round(v, 2) for v in slowdown.values()]}, "
-                      f"load {run['load_avg_1m']:.1f}", flush=True)  # fmt: skip
+    with tempfile.TemporaryDirectory(prefix="deepinfer-balance-") as folder:
+        work = Path(folder)
+        runs = []
+        counts = (
+            {"prefill": args.workers, "decode": args.workers}
+            if args.disaggregated
+            else {"both": args.workers}
+        )
+        if args.disaggregated:
+            serve_args += ["--kv-shared-path", str(work / "store")]
+        with workers_running(counts, model, serve_args, threads=1) as workers:
+            urls = [w.url for w in workers if w.role != "decode"]
+            decode = [w.url for w in workers if w.role == "decode"]
+            for rep in range(args.reps):
+                for i, policy in enumerate(args.policies):
+                    with cli_process(
+                        router_args(urls, policy, args.model, decode), work / "router.log", "the router", 60
+                    ) as url:
+                        meter = BusyMeter.attach(url)
+                        batch = prompts(lengths, vocab, seed=args.seed + 1000 * rep + i + 1)
+                        started = time.perf_counter()
+                        served = asyncio.run(
+                            send(url, name, batch, args.output_len, args.rate, args.seed + rep)
+                        )
+                        wall = time.perf_counter() - started
+                        result = meter.finish([(n, args.output_len) for n in lengths])
+                        status = httpx.get(f"{url}/router/workers").json()
+                        cost_model = StepCostModel(**status[urls[0]]["cost_model"])
+                        slowdown = {u: status[u]["prefill_slowdown"] for u in urls}
+                        placed = placement(served, lengths, urls, cost_model, args.output_len, bool(decode))
+                    ok = sum(w is not None for w in served)
+                    run = {"rep": rep, "policy": policy, "completed": ok, "wall_s": wall, "load_avg_1m": os.getloadavg()[0],
+                           **result, "placement_balance": placed, "prefill_slowdown": slowdown,
+                           "prompt_workers": [urls.index(w) if w in urls else None for w in served]}  # fmt: skip
+                    runs.append(run)
+                    decode_part = f", decode pool {result['decode_balance']:.3f}" if decode else ""
+                    print(f"rep {rep} {policy:>28}: balance {result['balance']:.3f} (placement {placed:.3f}{decode_part}), "
+                          f"busy {sorted(round(v, 2) for v in result['busy_s'].values())} s, {ok}/{len(lengths)} ok, "
+                          f"wall {wall:.1f} s, slowdown {[round(v, 2) for v in slowdown.values()]}, "
+                          f"load {run['load_avg_1m']:.1f}", flush=True)  # fmt: skip
     summary = {p: statistics.median(r["balance"] for r in runs if r["policy"] == p) for p in args.policies}
     placed = {
         p: statistics.median(r["placement_balance"] for r in runs if r["policy"] == p) for p in args.policies

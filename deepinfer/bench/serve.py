@@ -17,20 +17,18 @@ import json
 import os
 import random
 import resource
-import socket
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from urllib.parse import urlsplit
 
 from deepinfer.bench.offline import percentile
 from deepinfer.bench.sse_client import SSEConnection
+from deepinfer.router.cluster import LOOPBACK, cli_process
 
-LOOPBACK = "127.0.0.1"
 REQUEST_TIMEOUT_S = 600.0  # a closed-loop request that takes longer fails the run
 
 
@@ -52,7 +50,7 @@ def _endpoint(url: str) -> tuple[str, int]:
     return parts.hostname, parts.port or 80
 
 
-async def _one(
+async def stream_completion(
     conn: SSEConnection, model: str, prompt: list[int], output_len: int, api_key: str | None
 ) -> RequestResult:
     """Stream one completion; a token's time is when the bytes of its event arrived."""
@@ -102,7 +100,9 @@ async def run_load(
     async def one(prompt: list[int]) -> RequestResult:
         conn = SSEConnection(host, port)
         try:
-            return await asyncio.wait_for(_one(conn, model, prompt, output_len, api_key), max_seconds + 60)
+            return await asyncio.wait_for(
+                stream_completion(conn, model, prompt, output_len, api_key), max_seconds + 60
+            )
         finally:
             conn.close()
 
@@ -135,7 +135,7 @@ async def run_concurrent(
         conn = SSEConnection(host, port)
         try:
             while pending:
-                request = _one(conn, model, pending.pop(), output_len, api_key)
+                request = stream_completion(conn, model, pending.pop(), output_len, api_key)
                 results.append(await asyncio.wait_for(request, REQUEST_TIMEOUT_S))
         finally:
             conn.close()
@@ -254,42 +254,13 @@ def summarise(results: list[RequestResult], wall: float, request_rate: float) ->
     }
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind((LOOPBACK, 0))
-        return s.getsockname()[1]
-
-
 @contextlib.contextmanager
 def launch(model: str, server_args: list[str], timeout_s: float = 300) -> Iterator[str]:
-    """Start ``deepinfer serve`` on a free loopback port; yields its base URL; stops it afterwards."""
-    import httpx
-
-    port = free_port()
-    cmd = [sys.executable, "-m", "deepinfer.cli", "serve", "--model", model, "--host", LOOPBACK, "--port", str(port),
-           "--log-level", "warning", *server_args]  # fmt: skip
-    # a file, not a pipe: a chatty server never blocks on it; closed in the finally below
-    errors = tempfile.TemporaryFile("w+")  # noqa: SIM115
-    proc = subprocess.Popen(cmd, env={**os.environ}, stderr=errors, text=True)
-    url = f"http://{LOOPBACK}:{port}"
-    try:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            if proc.poll() is not None:
-                errors.seek(0)
-                raise RuntimeError(f"deepinfer serve exited ({proc.returncode}): {errors.read()[-2000:]}")
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"deepinfer serve did not become healthy in {timeout_s:.0f} s")
-            time.sleep(0.5)
+    """Start ``deepinfer serve`` on a free loopback port; yields its base URL; stops it afterwards
+    (its output goes to a temporary file, quoted in the error if it fails to start)."""
+    args = ["serve", "--model", model, "--host", LOOPBACK, "--log-level", "warning", *server_args]
+    with (
+        tempfile.TemporaryDirectory(prefix="deepinfer-bench-serve-") as folder,
+        cli_process(args, Path(folder) / "serve.log", "deepinfer serve", timeout_s) as url,
+    ):
         yield url
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        errors.close()

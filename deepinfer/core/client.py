@@ -21,9 +21,12 @@ from __future__ import annotations
 import asyncio
 import errno
 import itertools
+import os
 import shutil
+import sys
 import tempfile
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -207,8 +210,11 @@ class EngineClient:
     async def start(self) -> list[m.Ready]:
         """Bind the channel, start every core and wait until each is ready; raises
         :class:`CoreStartupError` if one fails first."""
-        self._dir = tempfile.mkdtemp(prefix="deepinfer-")
-        self.address = f"ipc://{self._dir}/engine"
+        if sys.platform == "linux":  # an abstract socket: no file to leave behind if this process is killed
+            self.address = f"ipc://@deepinfer-{os.getpid()}-{uuid.uuid4().hex}"
+        else:
+            self._dir = tempfile.mkdtemp(prefix="deepinfer-")
+            self.address = f"ipc://{self._dir}/engine"
         self._context = zmq.asyncio.Context()
         self._sock = self._context.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import sys
+from pathlib import Path
 
 from deepinfer.router.config import RouterConfig
 
@@ -182,6 +184,11 @@ def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--serve-args", default="", help="extra 'deepinfer serve' options for every worker, as one string"
     )
+    parser.add_argument(
+        "--log-dir",
+        type=Path,
+        help="keep the workers' logs in this directory (default: a temporary one, removed at exit)",
+    )
     add_router_options(parser)
 
 
@@ -208,6 +215,13 @@ def run_cluster(args: argparse.Namespace) -> int:
             )
         if args.kv_store_path is not None:
             cluster.check_store_path(args.kv_store_path)
+        if args.log_dir is not None:
+            try:
+                args.log_dir.mkdir(parents=True, exist_ok=True)
+            except OSError as exc:
+                raise ValueError(f"--log-dir: cannot create {args.log_dir}: {exc.strerror}") from None
+            if not os.access(args.log_dir, os.W_OK):
+                raise ValueError(f"--log-dir: {args.log_dir} is not writable")
         config = router_config(
             argparse.Namespace(**{**vars(args), "prefill": [], "decode": [], "both": []}),
             accept_registrations=True,
@@ -230,4 +244,5 @@ def run_cluster(args: argparse.Namespace) -> int:
         args.worker_threads,
         config,
         serve_router,
+        args.log_dir,
     )

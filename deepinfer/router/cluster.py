@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -142,8 +143,11 @@ def workers_running(
     startup_timeout_s: float = 300.0,
 ) -> Iterator[list[WorkerProcess]]:
     """Start ``counts[role]`` workers of each role, wait until all are healthy, yield them; stop them
-    all on exit, however it is left."""
-    log_dir = log_dir or Path(tempfile.mkdtemp(prefix="deepinfer-cluster-"))
+    all on exit, however it is left. Their logs go to ``log_dir`` (created if missing, kept), or to a
+    temporary directory removed once the workers are stopped (errors raised here carry the log's tail)."""
+    own_dir = log_dir is None
+    log_dir = Path(tempfile.mkdtemp(prefix="deepinfer-cluster-")) if log_dir is None else log_dir
+    log_dir.mkdir(parents=True, exist_ok=True)
     workers: list[WorkerProcess] = []
     try:
         for role, n in counts.items():
@@ -153,25 +157,27 @@ def workers_running(
         yield workers
     finally:
         stop_workers(workers)
+        if own_dir:
+            shutil.rmtree(log_dir, ignore_errors=True)
 
 
 @contextlib.contextmanager
-def cluster_process(
+def cli_process(
     args: Sequence[str],
     log: Path,
-    what: str = "cluster",
+    what: str,
     ready_s: float = 300.0,
     env: Mapping[str, str] | None = None,
 ) -> Iterator[str]:
-    """``deepinfer cluster --port <free port> *args`` as a child process (its own session; SIGTERM if
-    this process dies; ``env``: its environment, default this process's), stdout and stderr in
-    ``log``. Yields the router's URL once its ``/health`` is ok; on exit SIGTERM, then after 60 s
-    SIGKILL of its process group. Raises if it exits or is not healthy within ``ready_s``, naming
-    ``what`` with the log's tail."""
+    """``deepinfer <args> --port <free port>`` (``serve``, ``router`` or ``cluster``) as a child
+    process (its own session; SIGTERM if this process dies; ``env``: its environment, default this
+    process's), stdout and stderr in ``log``. Yields its loopback URL once ``/health`` says ``ok``; on
+    exit SIGTERM, then after 60 s SIGKILL of its process group. Raises if it exits or is not healthy
+    within ``ready_s``, naming ``what`` with the log's tail."""
     import httpx  # the caller's side only: the engine path never imports an HTTP client
 
     port = free_port()
-    cmd = [sys.executable, "-m", "deepinfer.cli", "cluster", "--port", str(port), *args]
+    cmd = [sys.executable, "-m", "deepinfer.cli", *args, "--port", str(port)]
     with open(log, "wb") as out:
         process = subprocess.Popen(
             cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=_die_with_parent,
@@ -182,13 +188,13 @@ def cluster_process(
         deadline = time.monotonic() + ready_s
         while True:
             if process.poll() is not None:
-                raise RuntimeError(f"the {what} exited ({process.returncode}):\n{log.read_text()[-3000:]}")
+                raise RuntimeError(f"{what} exited ({process.returncode}):\n{log.read_text()[-3000:]}")
             with contextlib.suppress(httpx.HTTPError, ValueError):
                 if httpx.get(f"{url}/health", timeout=2).json()["status"] == "ok":
                     break
             if time.monotonic() > deadline:
-                raise TimeoutError(f"the {what} was not healthy in {ready_s:g} s:\n{log.read_text()[-3000:]}")
-            time.sleep(0.5)
+                raise TimeoutError(f"{what} was not healthy in {ready_s:g} s:\n{log.read_text()[-3000:]}")
+            time.sleep(0.25)
         yield url
     finally:
         with contextlib.suppress(ProcessLookupError):
@@ -211,10 +217,11 @@ def run_cluster(
     threads: int | None,
     router_config,
     serve_router: Callable[..., None],
+    log_dir: Path | None = None,
 ) -> int:
     """Start the workers, then the router on ``router_config.port`` until Ctrl-C / SIGTERM
-    (``serve_router(config)`` runs it: passed in by the command line, which owns the router's start)."""
-    log_dir = Path(tempfile.mkdtemp(prefix="deepinfer-cluster-"))
+    (``serve_router(config)`` runs it: passed in by the command line, which owns the router's start).
+    Worker logs: ``log_dir`` (kept), else a temporary directory removed at exit."""
     previous = signal.signal(signal.SIGTERM, _sigterm_as_interrupt)  # startup is interruptible too
     try:
         with workers_running(counts, model, serve_args, threads, log_dir) as workers:

@@ -167,7 +167,7 @@ async def _replay(url: str, model: str, prompts: list[list[int]], offsets: list[
     """Send each prompt at its offset from now, on its own connection; (send times, results)."""
     from urllib.parse import urlsplit
 
-    from deepinfer.bench.serve import _one
+    from deepinfer.bench.serve import stream_completion
     from deepinfer.bench.sse_client import SSEConnection
 
     parts = urlsplit(url)
@@ -179,7 +179,7 @@ async def _replay(url: str, model: str, prompts: list[list[int]], offsets: list[
         conn = SSEConnection(parts.hostname, parts.port)
         try:
             sends[i] = time.perf_counter()
-            return await asyncio.wait_for(_one(conn, model, prompts[i], output_len, None), 600)
+            return await asyncio.wait_for(stream_completion(conn, model, prompts[i], output_len, None), 600)
         finally:
             conn.close()
 
@@ -233,13 +233,13 @@ def _disaggregated(
     (see :func:`_core`). SIGTERM at the end."""
     import httpx
 
-    from deepinfer.router.cluster import cluster_process
+    from deepinfer.router.cluster import cli_process
 
     args = ["--model", model_dir, "--prefill", "1", "--decode", "1", "--worker-threads", "1",
             "--min-disaggregated-tokens", "0", "--kv-store-path", str(work / "store"),
             "--worker-kv-cache-gib", str(settings.kv_cache_memory_gib),
             f"--serve-args={' '.join(settings.args(with_cache=False))}", "--log-level", "warning"]  # fmt: skip
-    with cluster_process(args, work / "cluster.log", "P/D cluster") as url:
+    with cli_process(["cluster", *args], work / "cluster.log", "the P/D cluster") as url:
         cores = {status["role"]: _core(worker_url)
                  for worker_url, status in httpx.get(f"{url}/router/workers", timeout=10).json().items()}  # fmt: skip
         if sorted(cores) != ["decode", "prefill"]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -67,6 +68,7 @@ class Front:
     def close(self) -> None:
         self.sock.close(0)
         self.context.term()
+        shutil.rmtree(self.dir, ignore_errors=True)
 
 
 @pytest.fixture

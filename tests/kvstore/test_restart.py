@@ -15,9 +15,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from deepinfer.bench.serve import LOOPBACK, free_port
 from deepinfer.bench.workload import heldout_stream
 from deepinfer.model_zoo import default_model_path
+from deepinfer.router.cluster import LOOPBACK, free_port
 from deepinfer.tokenizer import Tokenizer
 from tests.conftest import REPO_ROOT
 

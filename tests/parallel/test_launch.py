@@ -45,6 +45,8 @@ def test_two_nodes_under_torchrun_match_one_process(tmp_path: Path) -> None:
                 "1",
                 "--node-rank",
                 str(node),
+                "--log-dir",  # torchrun's default is a temporary directory it leaves behind
+                str(tmp_path / f"torchrun-{node}"),
                 "--master-addr",
                 "127.0.0.1",
                 "--master-port",

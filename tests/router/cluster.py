@@ -13,7 +13,7 @@ from pathlib import Path
 
 import httpx
 
-from deepinfer.router.cluster import cluster_process
+from deepinfer.router.cluster import cli_process
 
 
 @dataclass
@@ -58,16 +58,19 @@ def _alive(pid: int) -> bool:
 @contextlib.contextmanager
 def running_cluster(tmp_path: Path, *args: str, timeout_s: float = 180.0) -> Iterator[Cluster]:
     """``deepinfer cluster ARGS`` with 1-thread workers; yields once the router's /health is ok;
-    stops it with SIGTERM and checks that no worker outlives it."""
+    stops it with SIGTERM and checks that no worker outlives it and that it left no file in its
+    temporary directory (its processes' ``TMPDIR``)."""
     log = tmp_path / "cluster.log"
+    scratch = tmp_path / "tmpdir"
+    scratch.mkdir()
     args = ("--kv-store-path", str(tmp_path / "store"), "--worker-threads", "1", "--worker-kv-cache-gib", "0.25",
             "--log-level", "warning", *args)  # fmt: skip
     # the reference CPU ops: these tests are about routing, and starting many workers at once must not
     # wait on (or, killed mid-start, leave behind) a lock on the shared build of the native kernels
-    env = {**os.environ, "DEEPINFER_CPU_BACKEND": "reference"}
+    env = {**os.environ, "DEEPINFER_CPU_BACKEND": "reference", "TMPDIR": str(scratch)}
     workers: dict[str, dict] = {}
     try:
-        with cluster_process(args, log, "deepinfer cluster", timeout_s, env) as url:
+        with cli_process(("cluster", *args), log, "deepinfer cluster", timeout_s, env) as url:
             for m in re.finditer(r"(\w+) worker pid (\d+) at (\S+)", log.read_text()):
                 workers[m.group(3)] = {"role": m.group(1), "pid": int(m.group(2))}
             yield Cluster(url, log, workers)
@@ -79,6 +82,8 @@ def running_cluster(tmp_path: Path, *args: str, timeout_s: float = 180.0) -> Ite
             if _alive(w["pid"]):
                 os.kill(w["pid"], signal.SIGKILL)
                 raise AssertionError(f"worker pid {w['pid']} outlived the cluster")
+    left = sorted(p.name for p in scratch.iterdir())
+    assert not left, f"the cluster left {left} in its TMPDIR"
 
 
 @contextlib.contextmanager

@@ -205,34 +205,15 @@ def test_a_router_for_another_model_refuses_the_workers(cluster: Cluster, tmp_pa
 def test_a_full_prefill_queue_answers_429_and_the_rest_complete(cluster: Cluster, tmp_path: Path) -> None:
     """Late binding: with a horizon no busy worker is under, a second long prompt waits in the router
     while the first is computed, and those beyond the queue's limit get 429 with Retry-After."""
-    import contextlib
-    import os
     import random
-    import signal
-    import subprocess
-    import sys
-    import time
     from concurrent.futures import ThreadPoolExecutor
 
-    from deepinfer.router.cluster import free_port
+    from deepinfer.router.cluster import cli_process
 
     both, decode = cluster.workers_of("both")[0], cluster.workers_of("decode")[0]
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    cmd = [sys.executable, "-m", "deepinfer.cli", "router", "--both", both, "--decode", decode, "--port",
-           str(port), "--prefill-queue-limit", "1", "--prefill-horizon-s", "1e-6", "--min-disaggregated-tokens",
-           "0", "--log-level", "warning"]  # fmt: skip
-    with open(tmp_path / "router.log", "wb") as log:
-        router = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            assert router.poll() is None, (tmp_path / "router.log").read_text()
-            with contextlib.suppress(httpx.HTTPError, ValueError):
-                if httpx.get(f"{url}/health", timeout=2).json()["status"] == "ok":
-                    break
-            assert time.monotonic() < deadline, "the router did not start"
-            time.sleep(0.2)
+    args = ["router", "--both", both, "--decode", decode, "--prefill-queue-limit", "1", "--prefill-horizon-s",
+            "1e-6", "--min-disaggregated-tokens", "0", "--log-level", "warning"]  # fmt: skip
+    with cli_process(args, tmp_path / "router.log", "the router", 60) as url:
         rng = random.Random(0)
 
         def post(_: int) -> httpx.Response:
@@ -255,10 +236,3 @@ def test_a_full_prefill_queue_answers_429_and_the_rest_complete(cluster: Cluster
         assert float(metrics['deepinfer_router_failures_total{kind="queue_full"}']) == len(rejected)
         assert float(metrics["deepinfer_router_prefill_queue_depth"]) == 0  # the waiting one left
         assert float(metrics["deepinfer_router_prefill_queued_total"]) >= 1  # 429 only once one waits
-    finally:
-        os.killpg(router.pid, signal.SIGTERM)
-        try:
-            router.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            os.killpg(router.pid, signal.SIGKILL)
-            router.wait()
