@@ -18,7 +18,8 @@ runner's share, and each request's arrival at the core. From the *calibration tr
 
 - the served step's period (one step's start to the next's, so the core loop's messaging is in it)
   and the runner's share, each a :class:`~deepinfer.engine.cost_model.StepCostModel` fitted by least
-  squares (relative error) to the real steps' compositions;
+  squares (relative error) to the real steps' compositions, and per batch size the period's mean
+  residual on decode-only steps (:func:`batch_residuals`: the served step is not linear in its batch);
 - the API front's latency in (client send -> the core has the request, on requests that found the
   core idle, so that no step delayed them) and out (the step that produced a token -> the client has
   it), medians;
@@ -29,10 +30,11 @@ The simulator then replays both traces (the measured send times as arrivals) wit
 scheduler cutting prompt chunks with each server's own start-up cost model (read from its ``GET
 /load``: two workers calibrating at one start differ), the fitted step models as the clock, and the
 router's own policies and late-binding prefill queue (P/D only: the aggregated server has no router
-in front); nothing is refitted on the held-out trace. The report has, per setup
-and trace, TTFT p50/p90, TPOT p50/p90 and output throughput, measured and simulated, and their
-errors; the step models' error on the held-out trace's own steps; and how the served steps compare
-with the start-up calibration the old validation used alone (the reason it was pessimistic).
+in front); nothing is refitted on the held-out trace. The report has, per setup and trace, TTFT
+p50/p90, TPOT p50/p90 (per output token on both sides) and output throughput, measured and
+simulated, and their errors; the step models' error on the held-out trace's own steps; and how the
+served steps compare with the start-up calibration the old validation used alone (the reason it was
+pessimistic).
 :func:`run_validation` can record a run (``keep``: the step logs and what the client saw) for
 :func:`recheck` to fit and simulate again without serving.
 """
