@@ -60,8 +60,9 @@ class CalibratedCost:
     (index ``b - 1``; past the end, the last entry): the mean residual, measured minus predicted
     period, of served decode-only steps of that batch size. A served engine's per-request cost is
     not linear in its batch on this CPU host (decode steps rose ~3.5 ms a request from 1 to 3
-    requests, then hardly at all to 5, in each of four runs), so a line through a trace's steps,
-    mostly batches of 1 to 3, overshoots the larger batches of a burst and the TPOT tail with them.
+    requests, less beyond: a line's residuals were -2 to -13 ms at 4-6 requests in three runs), so a
+    line through a trace's steps, mostly batches of 1 to 3, overshoots the larger batches of a burst
+    and the TPOT tail with them.
     The residual goes to any step of that size, prompt chunk or not (the chunk's own cost is in the
     linear terms)."""
 
