@@ -11,6 +11,7 @@ import-light so the platform can ask ``native.toolchain_problem()`` first. What 
 - ``kv_cache_write``, ``rms_norm``, ``add_rms_norm``, ``rope``: one pass each instead of several torch
   ops (at small batches a decode step is mostly op dispatch). ``silu_and_mul`` stays torch's: its
   vectorised SiLU beat a one-pass kernel here.
-- ``grouped_gemm``, ``fused_moe``: ``torch._grouped_mm`` over expert-sorted rows, no Python loop over
-  experts and no host synchronisation.
+- ``moe_route``, ``grouped_gemm``, ``fused_moe``: one native pass for routing; the experts' weights read
+  in place by a dot-product kernel at small row counts and by MKL over each expert's gathered rows at
+  large ones, no argsort, no Python loop over experts and no host synchronisation (``moe``).
 """

@@ -7,7 +7,7 @@ OPS = OpTable("deepinfer.backends.cpu.backend")
 from deepinfer.backends.cpu import attention, cache, deterministic, moe, norm  # noqa: E402  (submodules register into OPS)
 
 OPS.use_reference_for(
-    ["moe_route", "ep_dispatch", "ep_combine", "sample"],
+    ["ep_dispatch", "ep_combine", "sample"],
     "already vectorised torch without loops; a kernel would save only dispatch time",
 )
 OPS.use_reference_for(

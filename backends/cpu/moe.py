@@ -1,8 +1,19 @@
-"""Grouped GEMM and the fused routed-expert MLP over ``torch._grouped_mm``: no loop over experts.
+"""DeepSeek routing, grouped GEMM and the fused routed-expert MLP: native kernels (``csrc/moe.cpp``).
 
-``torch._grouped_mm(x, w, offs)`` multiplies consecutive row groups of ``x`` ([N, K]) by the matching
-``w[e]`` ([E, K, Nout]) in one call, with group ends ``offs`` ([E] int32 prefix sums). On the CPU it
-needs row strides that are multiples of 16 bytes, so an odd inner width is zero-padded (exact).
+- ``moe_route``: one pass per token (scores, bias, group ranking, group mask, top-k, weights) instead of
+  about fifteen torch ops. Experts and groups are selected by torch's own CPU top-k procedure (the same
+  standard-library selection with the same comparator), so ties resolve as the reference's do.
+- ``fused_moe``: every (token, expert) pair through the expert's weights read in place; no weight
+  gather, no argsort, no loop over experts in Python and no host synchronisation. An expert with fewer
+  than ``MM_ROWS`` rows runs through a dot-product kernel parallel over (expert, block of output columns),
+  so two threads share even one token's experts; an expert with more runs as one ``at::mm`` per matrix
+  over its gathered rows (MKL; float32 only, unless the CPU has native bf16: see ``mm_rows``). Each
+  token's k expert outputs are added in float32 in slot order.
+- ``grouped_gemm``: the same two paths over rows already grouped by expert (the large one multiplies
+  each group's rows in place).
+
+``_grouped`` (``torch._grouped_mm`` over expert-sorted rows) remains for deterministic mode's padded
+grouped products (``deterministic.py``), whose invariance rests on MKL's tiled row counts.
 """
 
 from __future__ import annotations
@@ -12,13 +23,34 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from deepinfer.backends.cpu.backend import OPS
-from deepinfer.backends.reference.norm import silu_and_mul
+from deepinfer.backends.cpu.native import cpu_has_bf16, load
+
+_native = load()
+
+# An expert with at least this many rows in a call is multiplied by at::mm on its gathered rows; fewer go
+# through the dot-product kernel. Measured with bench/moe_layer.py --threshold (the bundled model's experts,
+# D 192, I 64, fp32, 1 thread, every expert on one path): the kernel 3-5x faster up to 16 rows per expert,
+# 1.5x at 48, even at 64, MKL 1.25x faster at 128. Decode batches sit far below it (64 requests: 8-27 rows
+# per expert), prefill chunks far above (2048 tokens: about 512).
+MM_ROWS = 64
+# Without native bf16 arithmetic (AVX-512 BF16 / AMX), at::mm in 16-bit types measured 4-37x slower than
+# the kernel at every row count (1-128 rows per expert): such calls never take the at::mm path.
+_NEVER = 1 << 62
+_MM_DTYPES = (torch.float32, torch.bfloat16) if cpu_has_bf16() else (torch.float32,)
+
+
+def mm_rows(dtype: torch.dtype) -> int:
+    """Rows per expert from which ``fused_moe`` / ``grouped_gemm`` use at::mm for weights of ``dtype``."""
+    return MM_ROWS if dtype in _MM_DTYPES else _NEVER
+
 
 _ALIGN_BYTES = 16
 
 
 def _grouped(x: Tensor, weight: Tensor, offs: Tensor) -> Tensor:
-    """``out[r] = weight[e(r)] @ x[r]`` for expert-sorted rows with group ends ``offs``; [N, Nout]."""
+    """``out[r] = weight[e(r)] @ x[r]`` for expert-sorted rows with group ends ``offs`` ([E] int32) through
+    ``torch._grouped_mm``, which needs row strides that are multiples of 16 bytes (an odd inner width is
+    zero padded, which is exact); [N, Nout]."""
     inner = x.shape[1]
     align = _ALIGN_BYTES // x.element_size()
     if inner % align:
@@ -28,30 +60,35 @@ def _grouped(x: Tensor, weight: Tensor, offs: Tensor) -> Tensor:
 
 
 @OPS.implement
+def moe_route(
+    router_logits: Tensor,
+    correction_bias: Tensor | None,
+    top_k: int,
+    n_group: int,
+    topk_group: int,
+    scoring_func: str,
+    topk_method: str,
+    renormalize: bool,
+    routed_scaling_factor: float,
+) -> tuple[Tensor, Tensor]:
+    return _native.moe_route(
+        router_logits, correction_bias, top_k, n_group, topk_group, scoring_func, topk_method, renormalize,
+        routed_scaling_factor,
+    )  # fmt: skip
+
+
+@OPS.implement
 def grouped_gemm(x: Tensor, weight: Tensor, group_sizes: Tensor) -> Tensor:
-    offs = group_sizes.cumsum(0).to(torch.int32)
-    total = int(offs[-1]) if offs.numel() else 0  # a host read, not a device sync, on the CPU
-    if total != x.shape[0]:
-        raise ValueError(f"group_sizes sum to {total}, but x has {x.shape[0]} rows")
-    return _grouped(x, weight, offs)
+    return _native.grouped_gemm(x, weight, group_sizes, mm_rows(x.dtype))
 
 
 @OPS.implement
 def fused_moe(hidden: Tensor, w13: Tensor, w2: Tensor, topk_weights: Tensor, topk_ids: Tensor) -> Tensor:
-    num_tokens, top_k = topk_ids.shape
-    num_experts = w13.shape[0]
-    ids = topk_ids.reshape(-1).long()
-    weights = topk_weights.reshape(-1).float()
-    # Pairs for another rank's experts (id < 0) run through expert 0 with weight 0: the shapes stay
-    # fixed and nothing depends on how many there are.
-    remote = ids < 0
-    weights = weights.masked_fill(remote, 0.0)
-    ids = ids.masked_fill(remote, 0)
-    order = torch.argsort(ids, stable=True)
-    tokens = order // top_k
-    offs = torch.bincount(ids, minlength=num_experts).cumsum(0).to(torch.int32)
-    gate_up = _grouped(hidden.index_select(0, tokens), w13, offs)
-    expert_out = _grouped(silu_and_mul(gate_up), w2, offs)
-    out = torch.zeros(num_tokens, hidden.shape[1], dtype=torch.float32, device=hidden.device)
-    out.index_add_(0, tokens, expert_out.float() * weights[order, None])
-    return out.to(hidden.dtype)
+    return _native.fused_moe(hidden, w13, w2, topk_weights, topk_ids, mm_rows(hidden.dtype))
+
+
+OPS.declare_invariant(
+    ["moe_route"],
+    "native kernel: each token's row is scored, ranked and normalised by the same scalar code, alone, "
+    "whatever the other rows of the call or the thread that runs it",
+)

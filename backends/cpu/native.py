@@ -1,10 +1,10 @@
-"""Build and load the fast CPU backend's C++ kernels (``csrc/kernels.cpp``) as torch ops.
+"""Build and load the fast CPU backend's C++ kernels (``csrc/*.cpp``, one library) as torch ops.
 
 The kernels are compiled with torch's extension tooling (``torch.utils.cpp_extension``: a C++17
-compiler and ninja) into ``DEEPINFER_CACHE_DIR/cpu_ops/<key>``, where the key digests the source, the
-torch version and this CPU's instruction-set flags (the code is built with ``-march=native``), so a
-build is reused across processes and runs and redone only when one of those changes. ``./build.sh``
-builds it ahead of time; otherwise the first activation does (about a minute on 2 cores). The ops land
+compiler and ninja) into ``DEEPINFER_CACHE_DIR/cpu_ops/<key>``, where the key digests the sources and
+their shared headers, the torch version and this CPU's instruction-set flags (the code is built with
+``-march=native``), so a build is reused across processes and runs and redone only when one of those
+changes. ``./build.sh`` builds it ahead of time; otherwise the first activation does (about a minute on 2 cores). The ops land
 in ``torch.ops.deepinfer_cpu``.
 
 ``toolchain_problem()`` says what is missing when the host cannot build them, so the platform can
@@ -29,7 +29,11 @@ from deepinfer.logger import get_logger
 
 logger = get_logger(__name__)
 
-SOURCE = Path(__file__).resolve().parent / "csrc" / "kernels.cpp"
+CSRC = Path(__file__).resolve().parent / "csrc"
+SOURCES = sorted(
+    CSRC.glob("*.cpp")
+)  # kernels.cpp (attention, cache, norms, rope), moe.cpp (routing, experts)
+HEADERS = sorted(CSRC.glob("*.h"))
 # -fno-trapping-math lets the compiler vectorise loops with float selects (the clamps in fast_exp):
 # it changes no value, only the assumption that floating-point exceptions are never inspected.
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-trapping-math"]
@@ -61,7 +65,7 @@ def cpu_has_bf16() -> bool:
 def build_key() -> str:
     digest = hashlib.sha256()
     for part in (
-        SOURCE.read_bytes(),
+        *(path.read_bytes() for path in (*SOURCES, *HEADERS)),
         torch.__version__.encode(),
         _cpu_flags().encode(),
         " ".join(_FLAGS).encode(),
@@ -128,7 +132,7 @@ def _build(target: Path) -> None:
         try:
             cpp_extension.load(
                 name="deepinfer_cpu_ops",
-                sources=[str(SOURCE)],
+                sources=[str(path) for path in SOURCES],
                 build_directory=str(target),
                 extra_cflags=_FLAGS,
                 extra_ldflags=["-fopenmp"],
@@ -136,7 +140,7 @@ def _build(target: Path) -> None:
                 verbose=False,
             )
         except (RuntimeError, OSError, ImportError) as exc:
-            raise NativeBuildError(f"building {SOURCE.name} in {target} failed: {exc}") from exc
+            raise NativeBuildError(f"building {CSRC} in {target} failed: {exc}") from exc
 
 
 if __name__ == "__main__":  # ./build.sh: python -m deepinfer.backends.cpu.native

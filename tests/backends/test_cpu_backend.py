@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from deepinfer.backends.cpu import deterministic as fast_deterministic
+from deepinfer.backends.cpu import moe as fast_moe
 from deepinfer.backends.cpu.backend import OPS as FAST
 from deepinfer.backends.registry import load_backend
 from deepinfer.backends.testing import checks
@@ -27,7 +28,7 @@ from tests.conftest import REPO_ROOT
 REF = load_backend("deepinfer.backends.reference")
 FAST.finalize()
 CPU = torch.device("cpu")
-ROW_TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
+ROW_TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
 
 
 def assert_rows_close(name: str, out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> None:
@@ -124,25 +125,90 @@ def test_small_ops_rows(dtype) -> None:
         assert_rows_close("rope.k", k_out, k_ref, dtype)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("hidden", [192, 7], ids=["aligned", "odd-width"])
-def test_moe_rows(dtype, hidden) -> None:
-    gen = torch.Generator().manual_seed(hidden)
-    experts, inter, tokens, top_k = 16, 24, 40, 4
+@pytest.mark.parametrize("tokens", [1, 40, 300])
+def test_moe_rows(dtype, hidden, tokens) -> None:
+    """fused_moe and grouped_gemm against the reference on both of their paths (the dot-product kernel,
+    at::mm on an expert's rows) and on the mix the op picks by ``MM_ROWS``."""
+    gen = torch.Generator().manual_seed(hidden + tokens)
+    experts, inter, top_k = 16, 24, 4
     x = torch.randn(tokens, hidden, generator=gen)
     w13 = torch.randn(experts, 2 * inter, hidden, generator=gen) * hidden**-0.5
     w2 = torch.randn(experts, hidden, inter, generator=gen) * inter**-0.5
     weights, ids = checks.random_routing(gen, tokens, experts, top_k)
-    ids[:3, 0] = -1  # pairs owned by another rank contribute nothing
+    ids[: max(1, tokens // 10), 0] = -1  # pairs owned by another rank contribute nothing
     r = lambda t: t.to(dtype).float()  # noqa: E731
-    out = FAST.fused_moe(x.to(dtype), w13.to(dtype), w2.to(dtype), weights, ids)
-    assert_rows_close("fused_moe", out, REF.fused_moe(r(x), r(w13), r(w2), weights, ids), dtype)
-    sizes = torch.tensor([0, 5, 0, 7] + [2] * 12)
+    ref = REF.fused_moe(r(x), r(w13), r(w2), weights, ids)
+    sizes = torch.randint(0, 2 * tokens // 8 + 2, (experts,), generator=gen)
+    sizes[2] = 0
     xs = torch.randn(int(sizes.sum()), hidden, generator=gen)
-    out = FAST.grouped_gemm(xs.to(dtype), w13.to(dtype), sizes)
-    assert_rows_close("grouped_gemm", out, REF.grouped_gemm(r(xs), r(w13), sizes), dtype)
+    ref_gg = REF.grouped_gemm(r(xs), r(w13), sizes)
+    args = (x.to(dtype), w13.to(dtype), w2.to(dtype), weights, ids)
+    for mm_rows in (1, fast_moe.MM_ROWS, 1 << 30):  # all at::mm, the float32 threshold, all kernel
+        out = torch.ops.deepinfer_cpu.fused_moe(*args, mm_rows)
+        assert out.dtype == dtype
+        assert_rows_close(f"fused_moe(mm_rows={mm_rows})", out, ref, dtype)
+        out = torch.ops.deepinfer_cpu.grouped_gemm(xs.to(dtype), w13.to(dtype), sizes, mm_rows)
+        assert_rows_close(f"grouped_gemm(mm_rows={mm_rows})", out, ref_gg, dtype)
+    assert torch.equal(
+        FAST.fused_moe(*args), torch.ops.deepinfer_cpu.fused_moe(*args, fast_moe.mm_rows(dtype))
+    )
     with pytest.raises(ValueError, match="group_sizes sum to"):
         FAST.grouped_gemm(xs[1:].to(dtype), w13.to(dtype), sizes)
+
+
+def test_moe_ops_with_no_tokens() -> None:
+    """An idle data-parallel rank's zero-token forward: empty results of the right shapes."""
+    x, w13, w2 = torch.randn(0, 8), torch.randn(4, 6, 8), torch.randn(4, 8, 3)
+    assert FAST.fused_moe(x, w13, w2, torch.ones(0, 2), torch.zeros(0, 2, dtype=torch.int32)).shape == (0, 8)
+    assert FAST.grouped_gemm(x, w13, torch.zeros(4, dtype=torch.long)).shape == (0, 6)
+    weights, ids = FAST.moe_route(
+        torch.randn(0, 16), torch.zeros(16), 4, 4, 2, "sigmoid", "noaux_tc", True, 2.5
+    )
+    assert weights.shape == ids.shape == (0, 4) and ids.dtype == torch.int32
+
+
+def test_moe_ops_name_bad_input() -> None:
+    x, w13, w2 = torch.randn(3, 8), torch.randn(4, 6, 8), torch.randn(4, 8, 3)
+    weights, ids = torch.ones(3, 2), torch.tensor([[0, 1], [2, 3], [3, 4]], dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"fused_moe: topk_ids holds expert 4, outside \[0, 4\)"):
+        FAST.fused_moe(x, w13, w2, weights, ids)
+    with pytest.raises(ValueError, match="fused_moe: w13 and w2 must have hidden's dtype"):
+        FAST.fused_moe(x, w13.double(), w2, weights, ids.clamp(max=3))
+    with pytest.raises(ValueError, match="grouped_gemm: group_sizes must be"):
+        FAST.grouped_gemm(x, w13, torch.tensor([3]))
+    logits = torch.randn(5, 16)
+    with pytest.raises(ValueError, match="scoring_func must be 'sigmoid' or 'softmax', got 'tanh'"):
+        FAST.moe_route(logits, None, 4, 4, 2, "tanh", "greedy", True, 1.0)
+    with pytest.raises(ValueError, match="topk_method 'noaux_tc' needs correction_bias"):
+        FAST.moe_route(logits, None, 4, 4, 2, "sigmoid", "noaux_tc", True, 1.0)
+    with pytest.raises(ValueError, match=r"n_group \(3\) must divide the 16 experts"):
+        FAST.moe_route(logits, torch.zeros(16), 4, 3, 2, "sigmoid", "noaux_tc", True, 1.0)
+
+
+ROUTINGS = [
+    ("sigmoid", "noaux_tc", True),
+    ("sigmoid", "noaux_tc", False),
+    ("softmax", "greedy", False),
+    ("softmax", "group_limited_greedy", True),
+]
+
+
+@pytest.mark.parametrize("routing", ROUTINGS, ids=lambda r: "-".join(map(str, r)))
+@pytest.mark.parametrize("experts,top_k,n_group,topk_group", [(16, 4, 4, 2), (256, 8, 8, 4), (64, 6, 1, 1)])
+def test_moe_route_ties_resolve_as_the_reference(routing, experts, top_k, n_group, topk_group) -> None:
+    """Integer logits and a zero bias tie many scores (and group scores): the experts chosen and their
+    order are the reference's (the weights within float32 rounding: torch sums k weights in its own
+    order)."""
+    gen = torch.Generator().manual_seed(experts + top_k)
+    logits = torch.randint(-2, 3, (300, experts), generator=gen).float()
+    bias = torch.zeros(experts) if routing[1] == "noaux_tc" else None
+    args = (logits, bias, top_k, n_group, topk_group, *routing, 2.5)
+    weights, ids = FAST.moe_route(*args)
+    ref_weights, ref_ids = REF.moe_route(*args)
+    assert torch.equal(ids, ref_ids)
+    assert_rows_close("moe_route.weights", weights, ref_weights, torch.float32)
 
 
 def test_kv_cache_write_skips_padding_and_casts() -> None:
@@ -163,7 +229,7 @@ def test_deterministic_mode_runs_the_fast_backends_own_invariant_formulations() 
     routes = FAST.invariance()
     for name in ("mla_decode", "silu_and_mul", "fused_moe", "grouped_gemm"):
         assert routes[name].formulation == "invariant", routes[name]
-    for name in ("rms_norm", "add_rms_norm", "rope"):
+    for name in ("rms_norm", "add_rms_norm", "rope", "moe_route"):
         assert routes[name].formulation == "default", routes[name]
     # silu_and_mul's default is the reference's (a fallback), its deterministic formulation the backend's own
     assert FAST.default_implementation("silu_and_mul") is REF.default_implementation("silu_and_mul")

@@ -20,11 +20,12 @@ from deepinfer.backends.cpu import deterministic as fast_deterministic
 from deepinfer.backends.cpu import moe as fast_moe
 from deepinfer.backends.cpu import norm as fast_norm
 from deepinfer.backends.cpu.backend import OPS as FAST
-from deepinfer.backends.registry import OpTable, interface_ops
+from deepinfer.backends.registry import OpTable, interface_ops, load_backend
 from deepinfer.backends.testing import checks, invariance
 from deepinfer.backends.testing.harness import SMALL_MLA, SMALL_MOE, V3_MLA
 
 FAST.finalize()
+REFERENCE = load_backend("deepinfer.backends.reference")
 CPU = torch.device("cpu")
 DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
 
@@ -104,6 +105,52 @@ def fused_moe(hidden, w13, w2, topk_weights, topk_ids):  # routing weights dropp
     return fast_moe.fused_moe(hidden, w13, w2, torch.ones_like(topk_weights), topk_ids)
 
 
+def _moe_next_expert(hidden, w13, w2, topk_weights, topk_ids):  # each local pair through the next expert
+    shifted = torch.where(topk_ids >= 0, (topk_ids + 1) % w13.shape[0], topk_ids)
+    return fast_moe.fused_moe(hidden, w13, w2, topk_weights, shifted)
+
+
+def _moe_dropped_pair(hidden, w13, w2, topk_weights, topk_ids):  # the last token's last pair left out
+    ids = topk_ids.clone()
+    ids[-1, -1] = -1
+    return fast_moe.fused_moe(hidden, w13, w2, topk_weights, ids)
+
+
+def _moe_weights_to_other_slots(hidden, w13, w2, topk_weights, topk_ids):  # weight j applied to pair j+1
+    return fast_moe.fused_moe(hidden, w13, w2, topk_weights.roll(1, dims=1), topk_ids)
+
+
+def _moe_remote_as_local(hidden, w13, w2, topk_weights, topk_ids):  # another rank's pairs run on expert 0
+    return fast_moe.fused_moe(hidden, w13, w2, topk_weights, topk_ids.clamp(min=0))
+
+
+def _route_with(**broken) -> Callable:
+    """moe_route with some of its arguments replaced (a kernel that ignores them)."""
+
+    def moe_route(router_logits, correction_bias, top_k, n_group, topk_group, scoring_func, topk_method,
+                  renormalize, routed_scaling_factor):  # fmt: skip
+        args = dict(
+            router_logits=router_logits, correction_bias=correction_bias, top_k=top_k, n_group=n_group,
+            topk_group=topk_group, scoring_func=scoring_func, topk_method=topk_method,
+            renormalize=renormalize, routed_scaling_factor=routed_scaling_factor,
+        )  # fmt: skip
+        args.update({k: fn(args) for k, fn in broken.items()})
+        return fast_moe.moe_route(**args)
+
+    return moe_route
+
+
+def _check_route_ties(table: OpTable, dtype: torch.dtype) -> None:
+    """Integer logits and a zero bias: many tied scores, group scores and boundaries between chosen and
+    left experts. The experts chosen must be the reference's (their order is unspecified)."""
+    logits = torch.randint(-2, 3, (64, 16), generator=torch.Generator().manual_seed(0)).float()
+    args = (logits, torch.zeros(16), 4, 4, 2, "sigmoid", "noaux_tc", True, 2.5)
+    ids = table.moe_route(*args)[1].sort(dim=-1).values
+    ref = REFERENCE.moe_route(*args)[1].sort(dim=-1).values
+    if not torch.equal(ids, ref):
+        raise AssertionError(f"moe_route ties: {int((ids != ref).any(dim=-1).sum())} of 64 tokens differ")
+
+
 def silu_and_mul_invariant(x):  # gate and up swapped
     return fast_deterministic.silu_and_mul(x.roll(x.shape[-1] // 2, dims=-1))
 
@@ -172,6 +219,70 @@ MUTATIONS: list[Mutation] = [
         fused_moe,
         lambda t, d: checks.check_fused_moe(t, CPU, d, SMALL_MOE, False, "m-weights"),
         "fused_moe",
+    ),
+    (
+        "fused_moe-wrong-expert",
+        _named("fused_moe", _moe_next_expert),
+        lambda t, d: checks.check_fused_moe(t, CPU, d, SMALL_MOE, False, "m-expert"),
+        "fused_moe",
+    ),
+    (
+        "fused_moe-drops-one-pair",
+        _named("fused_moe", _moe_dropped_pair),
+        lambda t, d: checks.check_fused_moe(t, CPU, d, SMALL_MOE, False, "m-pair"),
+        "fused_moe",
+    ),
+    (
+        "fused_moe-weights-to-other-slots",
+        _named("fused_moe", _moe_weights_to_other_slots),
+        lambda t, d: checks.check_fused_moe(t, CPU, d, SMALL_MOE, False, "m-slots"),
+        "fused_moe",
+    ),
+    (
+        "fused_moe-computes-remote-pairs",
+        _named("fused_moe", _moe_remote_as_local),
+        lambda t, d: checks.check_fused_moe(t, CPU, d, SMALL_MOE, True, "m-remote"),
+        "fused_moe",
+    ),
+    (
+        "moe_route-misses-scaling",
+        _route_with(routed_scaling_factor=lambda a: 1.0),
+        lambda t, d: checks.check_moe_route(t, CPU, SMALL_MOE, "sigmoid", "noaux_tc", True, "m-scale"),
+        r"moe_route\.weights",
+    ),
+    (
+        "moe_route-misses-renormalisation",
+        _route_with(renormalize=lambda a: False),
+        lambda t, d: checks.check_moe_route(t, CPU, SMALL_MOE, "sigmoid", "noaux_tc", True, "m-renorm"),
+        r"moe_route\.weights",
+    ),
+    (
+        "moe_route-ignores-groups",
+        _route_with(topk_group=lambda a: a["n_group"]),
+        lambda t, d: checks.check_moe_route(t, CPU, SMALL_MOE, "sigmoid", "noaux_tc", True, "m-groups"),
+        "chose different experts",
+    ),
+    (
+        "moe_route-ignores-bias",
+        _route_with(correction_bias=lambda a: torch.zeros_like(a["correction_bias"])),
+        lambda t, d: checks.check_moe_route(t, CPU, SMALL_MOE, "sigmoid", "noaux_tc", True, "m-bias"),
+        "chose different experts",
+    ),
+    (
+        "moe_route-group-limited-greedy-as-greedy",
+        _route_with(topk_method=lambda a: "greedy"),
+        lambda t, d: checks.check_moe_route(
+            t, CPU, SMALL_MOE, "softmax", "group_limited_greedy", True, "m-g"
+        ),
+        "chose different experts",
+    ),
+    (
+        "moe_route-ties-to-the-higher-index",
+        _route_with(
+            router_logits=lambda a: a["router_logits"] + 1e-6 * torch.arange(a["router_logits"].shape[1])
+        ),
+        _check_route_ties,
+        "moe_route ties",
     ),
 ]
 
@@ -243,9 +354,12 @@ def test_the_batch_split_decode_kernel_as_deterministic_attention_is_caught() ->
         )
 
 
-def test_the_unpadded_grouped_moe_as_deterministic_moe_is_caught() -> None:
-    """torch's grouped product over unpadded expert groups: a needle alone is a 1-row product there."""
+def test_the_at_mm_expert_path_as_deterministic_moe_is_caught() -> None:
+    """fused_moe's large-row path (at::mm over each expert's rows, whatever their count) is not
+    batch-invariant: a needle alone is a 1-row product there. The check must say so."""
+
+    def fused_moe(hidden, w13, w2, topk_weights, topk_ids):
+        return torch.ops.deepinfer_cpu.fused_moe(hidden, w13, w2, topk_weights, topk_ids, 1)
+
     with pytest.raises(AssertionError, match="not batch-invariant"):
-        invariance.check_moe(
-            fast_deterministic_with(fast_moe.fused_moe), CPU, torch.float32, SMALL_MOE, "grp"
-        )
+        invariance.check_moe(fast_deterministic_with(fused_moe), CPU, torch.float32, SMALL_MOE, "grp")

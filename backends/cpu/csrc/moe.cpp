@@ -1,0 +1,520 @@
+// deepinfer fast CPU ops, MoE: DeepSeek routing, grouped GEMM and the fused routed-expert MLP.
+//
+// Registered into the `deepinfer_cpu` torch op namespace next to kernels.cpp (see
+// deepinfer/backends/cpu/native.py and backends/cpu/moe.py, which state each op's contract).
+//
+// fused_moe / grouped_gemm read every expert's weights in place. An expert's rows are computed one of two
+// ways, chosen per expert by its row count against `mm_rows`:
+// - few rows (decode): a register-blocked dot-product kernel. Work items are (expert, block of output
+//   columns), so both threads share even one token's four experts; each weight row is read once, cast to
+//   float32 once, and dotted with up to four of the expert's rows at a time in float32.
+// - many rows (prefill, large batches): the expert's rows are gathered and multiplied by at::mm against
+//   the expert's weight slice (no weight copy; MKL's own threads), one call per matrix.
+// The per-pair expert outputs (float32) are combined per token in the order of its k slots.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <optional>
+#include <string>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include "common.h"
+
+#ifdef __AVX2__
+#include <immintrin.h>
+#endif
+
+namespace {
+
+using deepinfer_cpu::fast_exp;
+using deepinfer_cpu::load_row;
+using deepinfer_cpu::store_row;
+
+constexpr float kInf = std::numeric_limits<float>::infinity();
+
+// ----------------------------------------------------------------------------------------- routing
+
+// torch.topk's CPU selection (ATen/native/TopKImpl.h, torch 2.13): (value, index) pairs, NaN ranked
+// highest, std::partial_sort when k * 64 <= n, else std::nth_element and a sort of the first k - 1. The
+// same standard algorithms with the same comparator leave the same k entries in the same order, so ties
+// resolve exactly as the reference's `topk` resolves them.
+using Scored = std::pair<float, int64_t>;
+
+inline bool ranks_higher(const Scored& x, const Scored& y) {
+  return (std::isnan(x.first) && !std::isnan(y.first)) || x.first > y.first;
+}
+
+inline void topk_like_torch(std::vector<Scored>& queue, int64_t k) {
+  const auto begin = queue.begin();
+  if (k * 64 <= static_cast<int64_t>(queue.size())) {
+    std::partial_sort(begin, begin + k, queue.end(), ranks_higher);
+  } else {
+    std::nth_element(begin, begin + k - 1, queue.end(), ranks_higher);
+    std::sort(begin, begin + k - 1, ranks_higher);
+  }
+}
+
+enum class Method { kNoauxTc, kGroupLimitedGreedy, kGreedy };
+
+std::tuple<at::Tensor, at::Tensor> moe_route(const at::Tensor& router_logits,
+                                             const std::optional<at::Tensor>& correction_bias, int64_t top_k,
+                                             int64_t n_group, int64_t topk_group, std::string scoring_func,
+                                             std::string topk_method, bool renormalize,
+                                             double routed_scaling_factor) {
+  TORCH_CHECK_VALUE(router_logits.dim() == 2, "moe_route: router_logits must be [T, E], got ",
+                    router_logits.sizes());
+  const int64_t tokens = router_logits.size(0), experts = router_logits.size(1);
+  TORCH_CHECK_VALUE(scoring_func == "sigmoid" || scoring_func == "softmax",
+                    "moe_route: scoring_func must be 'sigmoid' or 'softmax', got '", scoring_func, "'");
+  Method method;
+  if (topk_method == "noaux_tc")
+    method = Method::kNoauxTc;
+  else if (topk_method == "group_limited_greedy")
+    method = Method::kGroupLimitedGreedy;
+  else if (topk_method == "greedy")
+    method = Method::kGreedy;
+  else
+    TORCH_CHECK_VALUE(false, "moe_route: topk_method must be 'noaux_tc', 'greedy' or 'group_limited_greedy', "
+                      "got '", topk_method, "'");
+  TORCH_CHECK_VALUE(top_k >= 1 && top_k <= experts, "moe_route: top_k must be in [1, ", experts, "], got ",
+                    top_k);
+  const bool grouped = method != Method::kGreedy;
+  if (grouped) {
+    TORCH_CHECK_VALUE(n_group >= 1 && experts % n_group == 0, "moe_route: n_group (", n_group,
+                      ") must divide the ", experts, " experts");
+    TORCH_CHECK_VALUE(topk_group >= 1 && topk_group <= n_group, "moe_route: topk_group must be in [1, ",
+                      n_group, "], got ", topk_group);
+  }
+  const int64_t per_group = grouped ? experts / n_group : experts;
+  at::Tensor bias;
+  if (method == Method::kNoauxTc) {
+    TORCH_CHECK_VALUE(correction_bias.has_value(),
+                      "moe_route: topk_method 'noaux_tc' needs correction_bias (e_score_correction_bias)");
+    TORCH_CHECK_VALUE(correction_bias->numel() == experts, "moe_route: correction_bias must be [", experts,
+                      "], got ", correction_bias->sizes());
+    TORCH_CHECK_VALUE(per_group >= 2, "moe_route: noaux_tc ranks groups by their two best experts; groups of ",
+                      per_group, " are too small");
+    bias = correction_bias->to(at::kFloat).contiguous();
+  }
+  const at::Tensor logits = router_logits.to(at::kFloat).contiguous();
+  at::Tensor weights = at::empty({tokens, top_k}, logits.options());
+  at::Tensor ids = at::empty({tokens, top_k}, logits.options().dtype(at::kInt));
+  const float* lp = logits.data_ptr<float>();
+  const float* bp = bias.defined() ? bias.data_ptr<float>() : nullptr;
+  float* wp = weights.data_ptr<float>();
+  int32_t* ip = ids.data_ptr<int32_t>();
+  const bool sigmoid = scoring_func == "sigmoid";
+  const bool mask_groups = grouped && topk_group < n_group;
+  const float scale = static_cast<float>(routed_scaling_factor);
+
+  at::parallel_for(0, tokens, std::max<int64_t>(1, 4096 / experts), [&](int64_t first, int64_t last) {
+    std::vector<float> scores(experts), choice(experts), two(per_group);
+    std::vector<Scored> queue(experts), groups(n_group);
+    std::vector<char> kept(n_group);
+    for (int64_t t = first; t < last; ++t) {
+      const float* x = lp + t * experts;
+      if (sigmoid) {
+        for (int64_t e = 0; e < experts; ++e) scores[e] = 1.f / (1.f + std::exp(-x[e]));
+      } else {
+        float m = -kInf, sum = 0.f;
+        for (int64_t e = 0; e < experts; ++e) m = std::max(m, x[e]);
+        for (int64_t e = 0; e < experts; ++e) sum += scores[e] = std::exp(x[e] - m);
+        for (int64_t e = 0; e < experts; ++e) scores[e] /= sum;
+      }
+      for (int64_t e = 0; e < experts; ++e) choice[e] = bp != nullptr ? scores[e] + bp[e] : scores[e];
+      if (mask_groups) {
+        for (int64_t g = 0; g < n_group; ++g) {
+          const float* c = choice.data() + g * per_group;
+          float score;
+          if (method == Method::kNoauxTc) {  // the sum of the group's two best (biased) scores
+            for (int64_t i = 0; i < per_group; ++i) two[i] = c[i];
+            std::partial_sort(two.begin(), two.begin() + 2, two.end(), [](float a, float b) {
+              return (std::isnan(a) && !std::isnan(b)) || a > b;
+            });
+            score = two[0] + two[1];
+          } else {  // the group's best score (NaN if it holds one, as torch's max)
+            score = c[0];
+            for (int64_t i = 1; i < per_group && !std::isnan(score); ++i)
+              if (std::isnan(c[i]) || c[i] > score) score = c[i];
+          }
+          groups[g] = {score, g};
+        }
+        topk_like_torch(groups, topk_group);
+        std::fill(kept.begin(), kept.end(), 0);
+        for (int64_t g = 0; g < topk_group; ++g) kept[groups[g].second] = 1;
+        for (int64_t e = 0; e < experts; ++e)
+          if (!kept[e / per_group]) choice[e] = -kInf;
+      }
+      for (int64_t e = 0; e < experts; ++e) queue[e] = {choice[e], e};
+      topk_like_torch(queue, top_k);
+      float* w = wp + t * top_k;
+      float sum = 0.f;
+      for (int64_t j = 0; j < top_k; ++j) {
+        const int64_t e = queue[j].second;
+        ip[t * top_k + j] = static_cast<int32_t>(e);
+        w[j] = scores[e];
+        sum += w[j];
+      }
+      const float denom = sum + 1e-20f;
+      for (int64_t j = 0; j < top_k; ++j) w[j] = (renormalize ? w[j] / denom : w[j]) * scale;
+    }
+  });
+  return {weights, ids};
+}
+
+// --------------------------------------------------------------------------- small-row expert GEMM
+
+constexpr int64_t kRowBlock = 4;   // rows dotted with each pair of loaded weight rows
+constexpr int64_t kColBlock = 16;  // output columns per work item
+
+#ifdef __AVX2__
+inline float horizontal_sum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_hadd_ps(s, s);
+  return _mm_cvtss_f32(_mm_hadd_ps(s, s));
+}
+#endif
+
+// out[c * ldo + r] = w[c] . x[r] for NC weight rows and NR rows over n elements, in float32: NC x NR
+// accumulators of 8 lanes, so each loaded weight vector serves NR rows and each row vector NC weights.
+template <int NC, int NR>
+inline void dot_block(const float* const* w, const float* const* x, float* out, int64_t ldo, int64_t n) {
+#ifdef __AVX2__
+  __m256 acc[NC][NR];
+  for (int c = 0; c < NC; ++c)
+    for (int r = 0; r < NR; ++r) acc[c][r] = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    __m256 wv[NC];
+    for (int c = 0; c < NC; ++c) wv[c] = _mm256_loadu_ps(w[c] + i);
+    for (int r = 0; r < NR; ++r) {
+      const __m256 xv = _mm256_loadu_ps(x[r] + i);
+      for (int c = 0; c < NC; ++c) acc[c][r] = _mm256_fmadd_ps(wv[c], xv, acc[c][r]);
+    }
+  }
+  if (i < n) {  // the last n % 8 elements through masked loads (the masked lanes read nothing)
+    alignas(32) int32_t bits[8];
+    for (int j = 0; j < 8; ++j) bits[j] = i + j < n ? -1 : 0;
+    const __m256i mask = _mm256_load_si256(reinterpret_cast<const __m256i*>(bits));
+    __m256 wv[NC];
+    for (int c = 0; c < NC; ++c) wv[c] = _mm256_maskload_ps(w[c] + i, mask);
+    for (int r = 0; r < NR; ++r) {
+      const __m256 xv = _mm256_maskload_ps(x[r] + i, mask);
+      for (int c = 0; c < NC; ++c) acc[c][r] = _mm256_fmadd_ps(wv[c], xv, acc[c][r]);
+    }
+  }
+  for (int c = 0; c < NC; ++c)
+    for (int r = 0; r < NR; ++r) out[c * ldo + r] = horizontal_sum(acc[c][r]);
+#else
+  for (int c = 0; c < NC; ++c)
+    for (int r = 0; r < NR; ++r) {
+      float s = 0.f;
+#pragma omp simd reduction(+ : s)
+      for (int64_t i = 0; i < n; ++i) s += w[c][i] * x[r][i];
+      out[c * ldo + r] = s;
+    }
+#endif
+}
+
+template <int NC>
+inline void dot_rows_nc(const float* const* w, const float* const* x, int64_t n, int64_t width, float* out,
+                        int64_t ldo) {
+  int64_t r = 0;
+  for (; r + kRowBlock <= n; r += kRowBlock) dot_block<NC, kRowBlock>(w, x + r, out + r, ldo, width);
+  switch (n - r) {
+    case 3: dot_block<NC, 3>(w, x + r, out + r, ldo, width); break;
+    case 2: dot_block<NC, 2>(w, x + r, out + r, ldo, width); break;
+    case 1: dot_block<NC, 1>(w, x + r, out + r, ldo, width); break;
+    default: break;
+  }
+}
+
+// out[c * ldo + r] = w[c] . x[r] for nc (1 or 2) weight rows and all n rows of `width` elements.
+inline void dot_rows(const float* const* w, int nc, const float* const* x, int64_t n, int64_t width, float* out,
+                     int64_t ldo) {
+  if (nc == 2)
+    dot_rows_nc<2>(w, x, n, width, out, ldo);
+  else
+    dot_rows_nc<1>(w, x, n, width, out, ldo);
+}
+
+// The weight row `row` of a [N, K] matrix in T as float32: in place for float, else cast into `buf`.
+template <typename T>
+inline const float* weight_row(const T* w, int64_t row, int64_t width, float* buf) {
+  if constexpr (std::is_same_v<T, float>) {
+    return w + row * width;
+  } else {
+    load_row(w + row * width, buf, width);
+    return buf;
+  }
+}
+
+inline float silu_mul(float gate, float up) { return gate / (1.f + fast_exp(-gate)) * up; }
+
+// One expert's share of a call: rows [begin, end) of the expert-sorted row order.
+struct Run {
+  int64_t expert, begin, end;
+};
+
+// Work items (run, block of `cols` output columns) over the runs, for one parallel_for.
+struct Item {
+  int64_t run, col0, col1;
+};
+
+std::vector<Item> column_items(const std::vector<Run>& runs, int64_t cols) {
+  std::vector<Item> items;
+  for (int64_t r = 0; r < static_cast<int64_t>(runs.size()); ++r)
+    for (int64_t c = 0; c < cols; c += kColBlock) items.push_back({r, c, std::min(cols, c + kColBlock)});
+  return items;
+}
+
+// Runs in expert order, split by row count: `small` go through the dot-product kernel, `large` through
+// at::mm. Returns the most rows of a small run (what the kernel's per-thread buffers hold).
+int64_t split_runs(const std::vector<int64_t>& offsets, int64_t mm_rows, std::vector<Run>& small,
+                   std::vector<Run>& large) {
+  int64_t most = 0;
+  for (int64_t e = 0; e + 1 < static_cast<int64_t>(offsets.size()); ++e) {
+    const int64_t n = offsets[e + 1] - offsets[e];
+    if (n == 0) continue;
+    (n >= mm_rows ? large : small).push_back({e, offsets[e], offsets[e + 1]});
+    if (n < mm_rows) most = std::max(most, n);
+  }
+  return most;
+}
+
+// A [n, cols] float32 view of rows of a float buffer, for at::mm outputs and inputs (no copy).
+inline at::Tensor float_rows(float* data, int64_t n, int64_t cols) {
+  return at::from_blob(data, {n, cols}, at::TensorOptions().dtype(at::kFloat));
+}
+
+// ----------------------------------------------------------------------------------------- fused MoE
+
+template <typename T>
+void fused_moe_impl(const at::Tensor& hidden, const at::Tensor& w13, const at::Tensor& w2,
+                    const float* pair_weight, const int64_t* pair_expert, int64_t top_k, int64_t mm_rows,
+                    at::Tensor& out) {
+  const int64_t tokens = hidden.size(0), dim = hidden.size(1), experts = w13.size(0);
+  const int64_t inter = w2.size(2), pairs = tokens * top_k;
+  // Counting sort of the local pairs by expert (tokens ascending within an expert): no argsort.
+  std::vector<int64_t> offsets(experts + 1, 0);
+  for (int64_t p = 0; p < pairs; ++p) {
+    const int64_t e = pair_expert[p];
+    TORCH_CHECK_VALUE(e < experts, "fused_moe: topk_ids holds expert ", e, ", outside [0, ", experts,
+                      ") (negative ids mark another rank's experts)");
+    if (e >= 0) ++offsets[e + 1];
+  }
+  for (int64_t e = 0; e < experts; ++e) offsets[e + 1] += offsets[e];
+  const int64_t local = offsets[experts];
+  std::vector<int64_t> row_token(local), row_of_pair(pairs, -1), fill(offsets.begin(), offsets.end() - 1);
+  for (int64_t p = 0; p < pairs; ++p) {
+    const int64_t e = pair_expert[p];
+    if (e < 0) continue;
+    row_of_pair[p] = fill[e];
+    row_token[fill[e]++] = p / top_k;
+  }
+  std::vector<Run> small, large;
+  const int64_t most = split_runs(offsets, mm_rows, small, large);
+
+  // float32 copies of what the dot-product kernel reads as rows: hidden (one cast of [T, D]) and the
+  // activations h [local, I]; the expert outputs y [local, D] of every pair.
+  const T* wg = w13.data_ptr<T>();
+  const T* wd = w2.data_ptr<T>();
+  at::Tensor xf = hidden.to(at::kFloat);
+  const float* xp = xf.data_ptr<float>();
+  std::vector<float> h(local * inter), y(local * dim);
+
+  if (!small.empty()) {
+    const std::vector<Item> up_items = column_items(small, inter);
+    at::parallel_for(0, static_cast<int64_t>(up_items.size()), 1, [&](int64_t first, int64_t last) {
+      std::vector<float> wbuf(2 * dim), gu(2 * most);
+      std::vector<const float*> x(most);
+      for (int64_t it = first; it < last; ++it) {
+        const Item& item = up_items[it];
+        const Run& run = small[item.run];
+        const int64_t n = run.end - run.begin;
+        for (int64_t r = 0; r < n; ++r) x[r] = xp + row_token[run.begin + r] * dim;
+        const T* we = wg + run.expert * 2 * inter * dim;
+        for (int64_t c = item.col0; c < item.col1; ++c) {  // gate row c and up row I + c together
+          const float* w[2] = {weight_row(we, c, dim, wbuf.data()), weight_row(we, inter + c, dim, wbuf.data() + dim)};
+          dot_rows(w, 2, x.data(), n, dim, gu.data(), most);
+          for (int64_t r = 0; r < n; ++r) h[(run.begin + r) * inter + c] = silu_mul(gu[r], gu[most + r]);
+        }
+      }
+    });
+    const std::vector<Item> down_items = column_items(small, dim);
+    at::parallel_for(0, static_cast<int64_t>(down_items.size()), 1, [&](int64_t first, int64_t last) {
+      std::vector<float> wbuf(2 * inter), out_c(2 * most);
+      std::vector<const float*> hr(most);
+      for (int64_t it = first; it < last; ++it) {
+        const Item& item = down_items[it];
+        const Run& run = small[item.run];
+        const int64_t n = run.end - run.begin;
+        for (int64_t r = 0; r < n; ++r) hr[r] = h.data() + (run.begin + r) * inter;
+        const T* we = wd + run.expert * dim * inter;
+        for (int64_t c = item.col0; c < item.col1; c += 2) {
+          const int nc = c + 1 < item.col1 ? 2 : 1;
+          const float* w[2] = {weight_row(we, c, inter, wbuf.data()),
+                               nc == 2 ? weight_row(we, c + 1, inter, wbuf.data() + inter) : nullptr};
+          dot_rows(w, nc, hr.data(), n, inter, out_c.data(), most);
+          for (int64_t r = 0; r < n; ++r)
+            for (int j = 0; j < nc; ++j) y[(run.begin + r) * dim + c + j] = out_c[j * most + r];
+        }
+      }
+    });
+  }
+
+  for (const Run& run : large) {  // one at::mm per matrix on the expert's gathered rows
+    const int64_t n = run.end - run.begin;
+    const at::Tensor tok = at::from_blob(row_token.data() + run.begin, {n}, at::TensorOptions().dtype(at::kLong));
+    const at::Tensor gate_up = at::mm(hidden.index_select(0, tok), w13[run.expert].t());
+    const at::Tensor gu = gate_up.to(at::kFloat);
+    const float* gp = gu.data_ptr<float>();
+    float* hp = h.data() + run.begin * inter;
+    at::parallel_for(0, n, std::max<int64_t>(1, 8192 / inter), [&](int64_t first, int64_t last) {
+      for (int64_t r = first; r < last; ++r) {
+#pragma omp simd
+        for (int64_t c = 0; c < inter; ++c)
+          hp[r * inter + c] = silu_mul(gp[r * 2 * inter + c], gp[r * 2 * inter + inter + c]);
+      }
+    });
+    const at::Tensor act = float_rows(hp, n, inter);
+    at::Tensor dst = float_rows(y.data() + run.begin * dim, n, dim);
+    if constexpr (std::is_same_v<T, float>)
+      at::mm_out(dst, act, w2[run.expert].t());
+    else
+      dst.copy_(at::mm(act.to(hidden.scalar_type()), w2[run.expert].t()));
+  }
+
+  // out[t] = sum_j w[t, j] * y[pair (t, j)], in slot order, in float32.
+  T* op = out.data_ptr<T>();
+  at::parallel_for(0, tokens, std::max<int64_t>(1, 16384 / (top_k * dim)), [&](int64_t first, int64_t last) {
+    std::vector<float> acc(dim);
+    for (int64_t t = first; t < last; ++t) {
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t j = 0; j < top_k; ++j) {
+        const int64_t row = row_of_pair[t * top_k + j];
+        if (row < 0) continue;  // another rank's expert
+        const float wj = pair_weight[t * top_k + j];
+        const float* yr = y.data() + row * dim;
+#pragma omp simd
+        for (int64_t c = 0; c < dim; ++c) acc[c] += wj * yr[c];
+      }
+      store_row(acc.data(), op + t * dim, dim);
+    }
+  });
+}
+
+at::Tensor fused_moe(const at::Tensor& hidden, const at::Tensor& w13, const at::Tensor& w2,
+                     const at::Tensor& topk_weights, const at::Tensor& topk_ids, int64_t mm_rows) {
+  TORCH_CHECK_VALUE(hidden.dim() == 2 && w13.dim() == 3 && w2.dim() == 3,
+                    "fused_moe: hidden must be [T, D], w13 [E, 2I, D] and w2 [E, D, I]");
+  const int64_t tokens = hidden.size(0), dim = hidden.size(1), experts = w13.size(0), inter = w2.size(2);
+  TORCH_CHECK_VALUE(w13.size(1) == 2 * inter && w13.size(2) == dim && w2.size(0) == experts && w2.size(1) == dim,
+                    "fused_moe: w13 ", w13.sizes(), " and w2 ", w2.sizes(), " do not match hidden width ", dim);
+  TORCH_CHECK_VALUE(w13.scalar_type() == hidden.scalar_type() && w2.scalar_type() == hidden.scalar_type(),
+                    "fused_moe: w13 and w2 must have hidden's dtype ", hidden.scalar_type());
+  TORCH_CHECK_VALUE(topk_ids.dim() == 2 && topk_ids.size(0) == tokens && topk_weights.sizes() == topk_ids.sizes(),
+                    "fused_moe: topk_weights and topk_ids must both be [", tokens, ", k], got ",
+                    topk_weights.sizes(), " and ", topk_ids.sizes());
+  TORCH_CHECK_VALUE(mm_rows >= 1, "fused_moe: mm_rows must be >= 1, got ", mm_rows);
+  const at::Tensor x = hidden.contiguous(), a = w13.contiguous(), b = w2.contiguous();
+  const at::Tensor weights = topk_weights.to(at::kFloat).contiguous();
+  const at::Tensor ids = topk_ids.to(at::kLong).contiguous();
+  at::Tensor out = at::empty({tokens, dim}, hidden.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, hidden.scalar_type(), "fused_moe", [&] {
+    fused_moe_impl<scalar_t>(x, a, b, weights.data_ptr<float>(), ids.data_ptr<int64_t>(), topk_ids.size(1),
+                             mm_rows, out);
+  });
+  return out;
+}
+
+// -------------------------------------------------------------------------------------- grouped GEMM
+
+template <typename T>
+void grouped_gemm_impl(const at::Tensor& x, const at::Tensor& weight, const std::vector<int64_t>& offsets,
+                       int64_t mm_rows, at::Tensor& out) {
+  const int64_t k = x.size(1), cols = weight.size(1);
+  std::vector<Run> small, large;
+  const int64_t most = split_runs(offsets, mm_rows, small, large);
+  for (const Run& run : large) {  // rows of one group are contiguous: multiplied in place
+    at::Tensor dst = out.narrow(0, run.begin, run.end - run.begin);
+    at::mm_out(dst, x.narrow(0, run.begin, run.end - run.begin), weight[run.expert].t());
+  }
+  if (small.empty()) return;
+  const at::Tensor xf = x.to(at::kFloat);
+  const float* xp = xf.data_ptr<float>();
+  const T* wp = weight.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  const std::vector<Item> items = column_items(small, cols);
+  at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t first, int64_t last) {
+    std::vector<float> wbuf(2 * k), out_c(2 * most);
+    std::vector<const float*> rows(most);
+    for (int64_t it = first; it < last; ++it) {
+      const Item& item = items[it];
+      const Run& run = small[item.run];
+      const int64_t n = run.end - run.begin;
+      for (int64_t r = 0; r < n; ++r) rows[r] = xp + (run.begin + r) * k;
+      const T* we = wp + run.expert * cols * k;
+      for (int64_t c = item.col0; c < item.col1; c += 2) {
+        const int nc = c + 1 < item.col1 ? 2 : 1;
+        const float* w[2] = {weight_row(we, c, k, wbuf.data()),
+                             nc == 2 ? weight_row(we, c + 1, k, wbuf.data() + k) : nullptr};
+        dot_rows(w, nc, rows.data(), n, k, out_c.data(), most);
+        for (int64_t r = 0; r < n; ++r)
+          for (int j = 0; j < nc; ++j) op[(run.begin + r) * cols + c + j] = static_cast<T>(out_c[j * most + r]);
+      }
+    }
+  });
+}
+
+at::Tensor grouped_gemm(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& group_sizes,
+                        int64_t mm_rows) {
+  TORCH_CHECK_VALUE(x.dim() == 2 && weight.dim() == 3 && weight.size(2) == x.size(1),
+                    "grouped_gemm: x must be [N, K] and weight [E, Nout, K], got ", x.sizes(), " and ",
+                    weight.sizes());
+  TORCH_CHECK_VALUE(weight.scalar_type() == x.scalar_type(), "grouped_gemm: weight must have x's dtype ",
+                    x.scalar_type());
+  TORCH_CHECK_VALUE(group_sizes.dim() == 1 && group_sizes.size(0) == weight.size(0),
+                    "grouped_gemm: group_sizes must be [", weight.size(0), "], got ", group_sizes.sizes());
+  TORCH_CHECK_VALUE(mm_rows >= 1, "grouped_gemm: mm_rows must be >= 1, got ", mm_rows);
+  const at::Tensor sizes = group_sizes.to(at::kLong).contiguous();
+  const int64_t* sp = sizes.data_ptr<int64_t>();
+  std::vector<int64_t> offsets(weight.size(0) + 1, 0);
+  for (int64_t e = 0; e < weight.size(0); ++e) {
+    TORCH_CHECK_VALUE(sp[e] >= 0, "grouped_gemm: group_sizes[", e, "] is negative (", sp[e], ")");
+    offsets[e + 1] = offsets[e] + sp[e];
+  }
+  TORCH_CHECK_VALUE(offsets.back() == x.size(0), "group_sizes sum to ", offsets.back(), ", but x has ", x.size(0),
+                    " rows");
+  const at::Tensor xc = x.contiguous(), wc = weight.contiguous();
+  at::Tensor out = at::empty({x.size(0), weight.size(1)}, x.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "grouped_gemm", [&] {
+    grouped_gemm_impl<scalar_t>(xc, wc, offsets, mm_rows, out);
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(deepinfer_cpu, m) {
+  m.def("moe_route(Tensor router_logits, Tensor? correction_bias, int top_k, int n_group, int topk_group, "
+        "str scoring_func, str topk_method, bool renormalize, float routed_scaling_factor) -> (Tensor, Tensor)");
+  m.def("fused_moe(Tensor hidden, Tensor w13, Tensor w2, Tensor topk_weights, Tensor topk_ids, int mm_rows) "
+        "-> Tensor");
+  m.def("grouped_gemm(Tensor x, Tensor weight, Tensor group_sizes, int mm_rows) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(deepinfer_cpu, CPU, m) {
+  m.impl("moe_route", &moe_route);
+  m.impl("fused_moe", &fused_moe);
+  m.impl("grouped_gemm", &grouped_gemm);
+}
