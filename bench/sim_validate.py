@@ -67,12 +67,16 @@ def main() -> None:
             busy = t["engine_busy_s"]
             print(f"  {name}: load average before/after {t['load_average_before_after']}")
             print(
-                f"    engine step time measured {busy['measured_step_time']}, simulated period {busy['simulated_period']}"
+                f"    engine steps' periods, summed: measured {busy['measured_period']}, simulated {busy['simulated_period']}"
             )
             print(f"    {'metric':22s} {'measured':>10s} {'simulated':>10s} {'error':>7s}")
-            for key, measured in t["measured"].items():
+            for key, simulated in t["simulated"].items():
                 err = t["errors"][key.replace("output_tokens_per_s", "throughput")]
-                print(f"    {key:22s} {measured:10.4f} {t['simulated'][key]:10.4f} {err:+7.1%}")
+                print(f"    {key:22s} {t['measured'][key]:10.4f} {simulated:10.4f} {err:+7.1%}")
+            per_event = [t["measured"][f"tpot_per_event_{q}"] for q in ("p50", "p90")]
+            print(
+                f"    (the load generator's TPOT per SSE event, p50/p90: {per_event[0]:.4f} / {per_event[1]:.4f})"
+            )
 
 
 if __name__ == "__main__":

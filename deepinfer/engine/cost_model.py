@@ -17,8 +17,11 @@ model to cut prompt chunks to a time budget instead of a fixed size.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
+import os
+import tempfile
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -143,10 +146,21 @@ class StepCostModel:
 
     # ------------------------------------------------------------------ persistence
     def save(self, path: Path) -> None:
+        """Write to ``path`` atomically: a temporary file of this writer's own beside it, flushed to
+        disk, then renamed over it. Engines calibrating at the same time (the workers of one local
+        cluster) each replace the whole file; a reader sees one of their models, never a mix."""
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(asdict(self), indent=2))
-        tmp.replace(path)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        try:
+            with os.fdopen(fd, "w") as f:
+                f.write(json.dumps(asdict(self), indent=2))
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+            raise
 
     @classmethod
     def load(cls, path: Path) -> StepCostModel:

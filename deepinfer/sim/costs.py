@@ -54,12 +54,23 @@ class CalibratedCost:
     prediction times one of them, drawn at random (seeded by ``seed``). The engine's time budget
     follows the 90th percentile of those ratios (``Scheduler.observe_step_time``), so a host's jitter
     shrinks its prompt chunks, which a clock without it would not show. The clock itself stays the
-    expected step time."""
+    expected step time.
+
+    ``batch_residual_s``: seconds added to ``step``'s prediction for a step of ``b`` requests
+    (index ``b - 1``; past the end, the last entry): the mean residual, measured minus predicted
+    period, of served decode-only steps of that batch size. A served engine's per-request cost is
+    not linear in its batch on this CPU host (decode steps rose ~3.5 ms a request from 1 to 3
+    requests, less beyond: a line's residuals were -2 to -13 ms at 4-6 requests in three runs), so a
+    line through a trace's steps, mostly batches of 1 to 3, overshoots the larger batches of a burst
+    and the TPOT tail with them.
+    The residual goes to any step of that size, prompt chunk or not (the chunk's own cost is in the
+    linear terms)."""
 
     model: StepCostModel
     step: StepCostModel | None = None
     runner: StepCostModel | None = None
     jitter: tuple[float, ...] = ()
+    batch_residual_s: tuple[float, ...] = ()
     seed: int = 0
     _rng: random.Random = field(init=False, repr=False, compare=False)
 
@@ -67,7 +78,14 @@ class CalibratedCost:
         object.__setattr__(self, "_rng", random.Random(self.seed))
 
     def step_seconds(self, ranks: Sequence[Sequence[Work]]) -> float:
-        return max((self.step or self.model).predict(work) for work in ranks)
+        return max(self.period(work) for work in ranks)
+
+    def period(self, work: Sequence[Work]) -> float:
+        """One rank's step clock: the step model plus its batch size's residual (never below 0)."""
+        seconds = (self.step or self.model).predict(work)
+        if self.batch_residual_s and work:
+            seconds += self.batch_residual_s[min(len(work), len(self.batch_residual_s)) - 1]
+        return max(seconds, 0.0)
 
     def runner_seconds(self, ranks: Sequence[Sequence[Work]]) -> float:
         seconds = max((self.runner or self.step or self.model).predict(work) for work in ranks)

@@ -18,7 +18,8 @@ runner's share, and each request's arrival at the core. From the *calibration tr
 
 - the served step's period (one step's start to the next's, so the core loop's messaging is in it)
   and the runner's share, each a :class:`~deepinfer.engine.cost_model.StepCostModel` fitted by least
-  squares (relative error) to the real steps' compositions;
+  squares (relative error) to the real steps' compositions, and per batch size the period's mean
+  residual on decode-only steps (:func:`batch_residuals`: the served step is not linear in its batch);
 - the API front's latency in (client send -> the core has the request, on requests that found the
   core idle, so that no step delayed them) and out (the step that produced a token -> the client has
   it), medians;
@@ -29,10 +30,11 @@ The simulator then replays both traces (the measured send times as arrivals) wit
 scheduler cutting prompt chunks with each server's own start-up cost model (read from its ``GET
 /load``: two workers calibrating at one start differ), the fitted step models as the clock, and the
 router's own policies and late-binding prefill queue (P/D only: the aggregated server has no router
-in front); nothing is refitted on the held-out trace. The report has, per setup
-and trace, TTFT p50/p90, TPOT p50/p90 and output throughput, measured and simulated, and their
-errors; the step models' error on the held-out trace's own steps; and how the served steps compare
-with the start-up calibration the old validation used alone (the reason it was pessimistic).
+in front); nothing is refitted on the held-out trace. The report has, per setup and trace, TTFT
+p50/p90, TPOT p50/p90 (per output token on both sides) and output throughput, measured and
+simulated, and their errors; the step models' error on the held-out trace's own steps; and how the
+served steps compare with the start-up calibration the old validation used alone (the reason it was
+pessimistic).
 :func:`run_validation` can record a run (``keep``: the step logs and what the client saw) for
 :func:`recheck` to fit and simulate again without serving.
 """
@@ -143,13 +145,24 @@ class Served:
         return max(s + r.end_s for s, r in zip(self.sends, self.results))
 
     def figures(self) -> dict:
-        """The load generator's figures (``deepinfer.bench.serve.summarise``) of the trace."""
+        """The trace's figures: TTFT and throughput as the load generator
+        (``deepinfer.bench.serve.summarise``) has them, TPOT per output token, (last token - first) /
+        (output tokens - 1), the simulator's definition. The load generator's own TPOT divides by the
+        SSE events that carried text, and a front that falls behind its engine sends several tokens
+        in one event (up to a fifth fewer events than tokens here under load); that figure is kept as
+        ``tpot_per_event_p50``/``_p90``, for the record only."""
         from deepinfer.bench.serve import summarise
 
         errors = [r.error for r in self.results if r.error]
         if errors:
             raise RuntimeError(f"{len(errors)} requests of the trace failed, e.g. {errors[0]}")
-        return _figures(summarise(self.results, self.end - self.start, 0.0))
+        summary = summarise(self.results, self.end - self.start, 0.0)
+        figures = _figures(summary)
+        tpot = [(r.end_s - r.ttft_s) / (r.output_tokens - 1) for r in self.results if r.output_tokens > 1]
+        for q in ("p50", "p90"):
+            figures[f"tpot_per_event_{q}"] = figures[f"tpot_{q}"]
+            figures[f"tpot_{q}"] = percentile(tpot, int(q[1:]))
+        return figures
 
 
 async def _replay(url: str, model: str, prompts: list[list[int]], offsets: list[float], output_len: int):
@@ -291,6 +304,18 @@ class CoreLog:
         decode worker it waits for its KV to load first, and that wait is no step's time."""
         return k + 1 < len(self.steps) and not set(self.steps[k]["ids"]).isdisjoint(self.steps[k + 1]["ids"])
 
+    def periods(self) -> tuple[list[float], float]:
+        """Each step's period and the median loop gap: to the next step's start where the core went
+        straight on (``went_straight_on``), else the step's own time plus that median gap (the time
+        after it was idle, or waiting for a KV load, which is no step's)."""
+        steps = self.steps
+        gaps = [steps[k + 1]["t0"] - s["t1"] for k, s in enumerate(steps) if self.went_straight_on(k)]
+        gap = statistics.median(gaps) if gaps else 0.0
+        return [
+            steps[k + 1]["t0"] - s["t0"] if self.went_straight_on(k) else s["t1"] - s["t0"] + gap
+            for k, s in enumerate(steps)
+        ], gap
+
     def stepping_at(self, t: float) -> bool:
         """Whether the core was in a step at time ``t``."""
         k = bisect.bisect_right(self._starts, t) - 1
@@ -317,15 +342,7 @@ def fit_served_steps(log: CoreLog, peer: CoreLog | None = None) -> tuple[StepCos
     steps = log.steps
     if len(steps) < 10:
         raise RuntimeError(f"only {len(steps)} served steps in the calibration trace; too few to fit")
-    gaps, periods = [], []
-    for k, s in enumerate(steps):
-        nxt = steps[k + 1] if k + 1 < len(steps) else None
-        held = log.went_straight_on(k)
-        if held:
-            gaps.append(nxt["t0"] - s["t1"])
-        periods.append(nxt["t0"] - s["t0"] if held else None)
-    gap = statistics.median(gaps) if gaps else 0.0
-    periods = [p if p is not None else s["t1"] - s["t0"] + gap for p, s in zip(periods, steps)]
+    periods, gap = log.periods()
     works = [[tuple(w) for w in s["work"]] for s in steps]
     shared = np.array([peer is not None and peer.stepping_at(s["t0"]) for s in steps])
     contention = 0.0
@@ -343,16 +360,42 @@ def fit_served_steps(log: CoreLog, peer: CoreLog | None = None) -> tuple[StepCos
         [(w, p / f) for w, p, f in zip(works, periods, scale)], "served step period"
     )
     jitter = tuple(s["forward_s"] / (runner.predict(w) * f) for w, s, f in zip(works, steps, scale))
+    residual = batch_residuals(works, [p / f for p, f in zip(periods, scale)], period)
     summary = {"steps": len(steps), "median_loop_gap_s": gap, "jitter": jitter, "contention": contention,
+               "batch_residual_s": residual,
                "steps_sharing_the_host": int(shared.sum()),
                "median_host_s": statistics.median(s["t1"] - s["t0"] - s["forward_s"] for s in steps)}  # fmt: skip
     return period, runner, summary
 
 
-def step_errors(log: CoreLog, period: StepCostModel, runner: StepCostModel, startup: StepCostModel) -> dict:
-    """How well the models predict ``log``'s own steps: median predicted / measured per step, for
-    decode-only steps and steps with a prompt chunk (the period against ``t0`` to the next ``t0``
-    where the core went straight on)."""
+RESIDUAL_MIN_STEPS = 20  # decode-only steps of one batch size that give it a residual of its own
+
+
+def batch_residuals(
+    works: list[list[tuple[int, int]]], periods: list[float], period: StepCostModel
+) -> tuple[float, ...]:
+    """``CalibratedCost.batch_residual_s`` from served steps (compositions and measured periods,
+    contention taken out): per batch size b (index b - 1), the mean of measured minus ``period``'s
+    predicted period over the decode-only steps of b requests. A size seen in fewer than
+    ``RESIDUAL_MIN_STEPS`` such steps takes the residual of the size below it (0 below the first)."""
+    by_size: dict[int, list[float]] = {}
+    for work, seconds in zip(works, periods):
+        if work and all(n == 1 for n, _ in work):
+            by_size.setdefault(len(work), []).append(float(seconds) - period.predict(work))
+    out, last = [], 0.0
+    for b in range(1, max(by_size, default=0) + 1):
+        if len(by_size.get(b, ())) >= RESIDUAL_MIN_STEPS:
+            last = statistics.fmean(by_size[b])
+        out.append(last)
+    return tuple(out)
+
+
+def step_errors(log: CoreLog, cost: CalibratedCost) -> dict:
+    """How well ``cost``'s models predict ``log``'s own steps: median predicted / measured per step,
+    for decode-only steps and steps with a prompt chunk (the period, the simulator's clock
+    ``cost.period``, against ``t0`` to the next ``t0`` where the core went straight on; the runner
+    fit and the start-up calibration against the runner's time)."""
+    runner, startup = cost.runner, cost.model
     out: dict[str, dict] = {}
     for kind, keep in (("decode_only", lambda w: all(n == 1 for n, _ in w)),
                        ("with_prompt", lambda w: any(n > 1 for n, _ in w))):  # fmt: skip
@@ -365,7 +408,7 @@ def step_errors(log: CoreLog, period: StepCostModel, runner: StepCostModel, star
             startup_ratio.append(startup.predict(work) / s["forward_s"])
             nxt = log.steps[k + 1] if k + 1 < len(log.steps) else None
             if log.went_straight_on(k):
-                period_ratio.append(period.predict(work) / (nxt["t0"] - s["t0"]))
+                period_ratio.append(cost.period(work) / (nxt["t0"] - s["t0"]))
         out[kind] = {
             "steps": len(runner_ratio),
             "runner_fit_over_measured": _median(runner_ratio),
@@ -628,7 +671,7 @@ def _check_setup(
             role,
             1,
             1,
-            CalibratedCost(startup[role], p, r, summary.pop("jitter")),
+            CalibratedCost(startup[role], p, r, summary.pop("jitter"), summary["batch_residual_s"]),
             knobs,
             host_contention=summary["contention"],
         )
@@ -648,14 +691,12 @@ def _check_setup(
     for name, s in served.items():
         measured = s.figures()
         simulated = simulate(s, traces[name], pools, front, handoff, kv_bytes_per_token)
-        busy = {role: sum(st["t1"] - st["t0"] for st in log.steps) for role, log in logs[name].items()}
+        busy = {role: sum(log.periods()[0]) for role, log in logs[name].items()}
         result[name] = {
             "trace": asdict(traces[name]),
             "load_average_before_after": s.load_average,
-            "engine_busy_s": {"measured_step_time": busy, "simulated_period": simulated["busy_s"]},
-            "step_model_check": {
-                role: step_errors(logs[name][role], *fits[role][:2], startup[role]) for role in roles
-            },
+            "engine_busy_s": {"measured_period": busy, "simulated_period": simulated["busy_s"]},
+            "step_model_check": {pool.role: step_errors(logs[name][pool.role], pool.cost) for pool in pools},
             "measured": measured,
             "simulated": simulated["figures"],
             "errors": errors(measured, simulated["figures"]),

@@ -169,3 +169,47 @@ def test_fit_mean_predicts_the_expected_time_of_noisy_steps() -> None:
         mean = sum(t for s, t in samples if s == w) / 200
         assert StepCostModel.fit_mean(samples, "served").predict(w) == pytest.approx(mean, rel=0.08)
         assert StepCostModel.fit(samples).predict(w) < 0.92 * mean
+
+
+def test_concurrent_saves_each_replace_the_whole_file(tmp_path) -> None:
+    """Engines calibrating at once (a local cluster's workers) save to one cache file: every read
+    between and after the writes must be one writer's complete model, and no temporary is left."""
+    import threading
+
+    path = tmp_path / "cost_models" / "cpu.json"
+    models = [StepCostModel(1e-3 * (k + 1), 1e-5, 1e-4, 1e-8, 1e-6, "calibrated") for k in range(4)]
+    errors: list[BaseException] = []
+
+    def writer(model: StepCostModel) -> None:
+        try:
+            for _ in range(50):
+                model.save(path)
+                assert StepCostModel.load(path) in models
+        except BaseException as exc:  # collected: an exception in a thread would not fail the test
+            errors.append(exc)
+
+    threads = [threading.Thread(target=writer, args=(m,)) for m in models]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors[0]
+    assert StepCostModel.load(path) in models
+    assert [p.name for p in path.parent.iterdir()] == ["cpu.json"]
+
+
+def test_a_failed_save_leaves_the_old_file_and_no_temporary(tmp_path, monkeypatch) -> None:
+    import os
+
+    path = tmp_path / "cpu.json"
+    old = StepCostModel(1e-3, 1e-5, 1e-4, 1e-8, 1e-6, "calibrated")
+    old.save(path)
+
+    def broken_fsync(fd: int) -> None:
+        raise OSError("disk full")
+
+    monkeypatch.setattr(os, "fsync", broken_fsync)
+    with pytest.raises(OSError, match="disk full"):
+        StepCostModel(2e-3, 1e-5, 1e-4, 1e-8, 1e-6, "calibrated").save(path)
+    assert StepCostModel.load(path) == old
+    assert [p.name for p in tmp_path.iterdir()] == ["cpu.json"]

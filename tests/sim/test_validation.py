@@ -10,7 +10,14 @@ from deepinfer.engine.cost_model import StepCostModel
 from deepinfer.router.config import RouterConfig
 from deepinfer.sim.cluster import ClusterConfig, EngineKnobs, PoolConfig, Simulation
 from deepinfer.sim.costs import CalibratedCost
-from deepinfer.sim.validation import CoreLog, Served, fit_front, fit_served_steps
+from deepinfer.sim.validation import (
+    RESIDUAL_MIN_STEPS,
+    CoreLog,
+    Served,
+    batch_residuals,
+    fit_front,
+    fit_served_steps,
+)
 from deepinfer.sim.workload import Arrival, Segment
 
 TRUE = StepCostModel(5e-3, 4e-4, 6e-5, 2e-8, 3e-6, "truth")
@@ -136,3 +143,44 @@ def test_host_contention_with_a_peer_core_is_fitted_apart_from_the_step_costs() 
     assert runner.predict([(1, 300)] * 2) == pytest.approx(TRUE.predict([(1, 300)] * 2), rel=0.02)
     assert period.predict([(1, 300)]) == pytest.approx(TRUE.predict([(1, 300)]) + GAP_S, rel=0.05)
     assert fit_served_steps(log)[2]["contention"] == 0.0
+
+
+SERVED = StepCostModel(8e-3, 3.5e-3, 1.5e-4, 0.0, 1e-5, "served")
+
+
+def concave(work: list[tuple[int, int]]) -> float:
+    """A served step whose per-request cost stops growing at 3 requests (as on this host)."""
+    return SERVED.predict(work[:3]) + SERVED.per_token_s * sum(n for n, _ in work[3:])
+
+
+def test_batch_residuals_put_each_batch_size_back_on_its_mean() -> None:
+    """Decode steps of 1-6 requests with a per-request cost that saturates at 3: a line fitted
+    through them misses each size; the residuals are each size's mean miss; a size seen too seldom
+    takes the one below it, and the simulated clock (CalibratedCost.period) adds them."""
+    works = [[(1, 300)] * b for b in range(1, 7) for _ in range(RESIDUAL_MIN_STEPS)]
+    works += [[(1, 300)] * 7] * (RESIDUAL_MIN_STEPS - 1)  # too few of 7: takes 6's residual
+    periods = [concave(w) for w in works]
+    line = StepCostModel.fit_mean(list(zip(works, periods)), "line")
+    residual = batch_residuals(works, periods, line)
+    assert len(residual) == 7 and residual[6] == residual[5]
+    cost = CalibratedCost(line, line, batch_residual_s=residual)
+    for b in range(1, 7):
+        work = [(1, 300)] * b
+        assert cost.period(work) == pytest.approx(concave(work), rel=1e-6)
+    assert abs(line.predict([(1, 300)] * 6) / concave([(1, 300)] * 6) - 1) > 0.05  # the line alone misses
+    # A prompt chunk among 5 decodes gets the residual of 6 requests; past the table, the last entry.
+    mixed = [(200, 100)] + [(1, 300)] * 5
+    assert cost.period(mixed) == pytest.approx(line.predict(mixed) + residual[5])
+    assert cost.step_seconds([[(1, 300)] * 9]) == pytest.approx(line.predict([(1, 300)] * 9) + residual[6])
+    assert batch_residuals([[(50, 0)]] * 30, [0.1] * 30, line) == ()  # no decode-only step: no table
+
+
+def test_measured_tpot_is_per_output_token_whatever_the_events() -> None:
+    """A front that falls behind sends two tokens in one SSE event: the measured TPOT stays per
+    output token (the simulator's definition); the per-event figure is kept apart."""
+    tokens_at = [0.1 + 0.02 * k for k in range(9)]  # 9 tokens, 20 ms apart
+    merged = [tokens_at[0], *tokens_at[2::2]]  # events carrying tokens 2+3, 4+5, ...
+    results = [RequestResult(ttft_s=0.1, token_times=merged, end_s=tokens_at[-1], output_tokens=9)]
+    figures = Served([[0] * 10], [0.0], results, ((0.0,), (0.0,))).figures()
+    assert figures["tpot_p50"] == pytest.approx(0.02)
+    assert figures["tpot_per_event_p50"] == pytest.approx(0.16 / 4)
