@@ -39,10 +39,10 @@ class EngineConfig(BaseModel):
         gt=0,
         description="cut prompt chunks so each step's predicted time fits; None: fixed-size chunks",
     )
-    graph_capture: bool = Field(
-        False,
-        description="replay decode steps from device graphs captured per padded batch size (CUDA/ACL graphs; "
-        "on cpu the wrapper re-runs eagerly)",
+    graph_capture: bool | None = Field(
+        None,
+        description="replay decode steps from graphs captured per batch size (CUDA/ACL graphs; on cpu, "
+        "recorded ops replayed from C++); None: the platform's default (on with the fast cpu backend)",
     )
     async_scheduling: bool = Field(
         False, description="schedule step N+1 while step N computes (the scheduler runs one step ahead)"

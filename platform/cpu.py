@@ -15,7 +15,13 @@ import torch
 
 from deepinfer import envs
 from deepinfer.logger import get_logger
-from deepinfer.platform.interface import Detection, Platform, PlatformUnavailableError
+from deepinfer.platform.interface import (
+    Detection,
+    EagerGraph,
+    GraphCapture,
+    Platform,
+    PlatformUnavailableError,
+)
 
 logger = get_logger(__name__)
 
@@ -70,6 +76,26 @@ class CpuPlatform(Platform):
     def mem_get_info(self, index: int = 0) -> tuple[int, int]:
         page = os.sysconf("SC_PAGE_SIZE")
         return os.sysconf("SC_AVPHYS_PAGES") * page, os.sysconf("SC_PHYS_PAGES") * page
+
+    def graph(self) -> GraphCapture:
+        """The fast backend's ``CpuGraph`` (ops recorded once, replayed from C++ without Python); the
+        eager wrapper under the reference backend, whose ops read values on the host."""
+        if self.op_backend != FAST_BACKEND:
+            return EagerGraph()
+        from deepinfer.backends.cpu.graph import CpuGraph
+
+        return CpuGraph()
+
+    @property
+    def graph_capture_default(self) -> bool:
+        """On with the fast backend: a captured decode step skips the Python dispatch of every op,
+        which is most of a small batch's step here (bench/cpu_graphs.py)."""
+        return self.op_backend == FAST_BACKEND
+
+    def graph_batch_sizes(self, max_batch: int) -> list[int]:
+        """Every size: a CPU graph holds no memory of its own and captures in one eager run, while a
+        padded row costs its full compute here."""
+        return list(range(1, max_batch + 1))
 
     def lm_head_layout(self, weight: torch.Tensor) -> torch.Tensor:
         """float32: D-major (a [D, V] contiguous copy, seen as its [V, D] transpose). MKL's float32

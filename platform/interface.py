@@ -36,13 +36,18 @@ class Detection:
     chip: str = ""
 
 
+class GraphCaptureError(RuntimeError):
+    """A captured function does something its replay could not reproduce (the message names what)."""
+
+
 class GraphCapture(ABC):
     """Captures a step function once and replays it on the same (static) input and output tensors.
 
     ``capture(fn)`` runs ``fn`` (which reads only tensors that stay alive and fixed in address) and
     returns its outputs; after the caller refreshes the inputs in place, ``replay()`` recomputes those
     same output tensors in place. Platforms without graphs implement this by re-running ``fn`` eagerly
-    and copying into the captured outputs, so the engine code is identical everywhere.
+    and copying into the captured outputs, so the engine code is identical everywhere. ``capture`` may
+    raise ``GraphCaptureError`` when ``fn`` breaks the contract in a way the wrapper can see.
     """
 
     @abstractmethod
@@ -128,6 +133,23 @@ class Platform(ABC):
     def graph(self) -> GraphCapture:
         """A fresh graph-capture wrapper; the default runs eagerly."""
         return EagerGraph()
+
+    @property
+    def graph_capture_default(self) -> bool:
+        """Whether decode steps replay captured graphs when ``EngineConfig.graph_capture`` is left
+        unset. Off by default; a platform turns it on where its graphs are proven here."""
+        return False
+
+    def graph_batch_sizes(self, max_batch: int) -> list[int]:
+        """Batch sizes to capture decode graphs for (a step pads up to the next one), ascending and
+        ending at ``max_batch``. The default, powers of two, suits devices where a padded row costs
+        little next to a graph's memory; a platform whose graphs hold no memory of their own may
+        capture every size and pad nothing."""
+        sizes, size = [], 1
+        while size < max_batch:
+            sizes.append(size)
+            size *= 2
+        return [*sizes, max_batch]
 
     def lm_head_layout(self, weight: torch.Tensor) -> torch.Tensor:
         """The LM head's weight [V, D] laid out as this platform's GEMMs read it fastest at decode

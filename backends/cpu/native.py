@@ -1,11 +1,14 @@
-"""Build and load the fast CPU backend's C++ kernels (``csrc/*.cpp``, one library) as torch ops.
+"""Build and load the fast CPU backend's C++ kernels (``csrc/*.cpp``, one library): torch ops and the
+CPU graph replayer.
 
 The kernels are compiled with torch's extension tooling (``torch.utils.cpp_extension``: a C++17
 compiler and ninja) into ``DEEPINFER_CACHE_DIR/cpu_ops/<key>``, where the key digests the sources and
 their shared headers, the torch version and this CPU's instruction-set flags (the code is built with
 ``-march=native``), so a build is reused across processes and runs and redone only when one of those
-changes. ``./build.sh`` builds it ahead of time; otherwise the first activation does (about a minute on 2 cores). The ops land
-in ``torch.ops.deepinfer_cpu``.
+changes. ``./build.sh`` builds it ahead of time; otherwise the first activation does (about a minute on 2 cores). The
+library is a Python extension module: importing it registers the ops in ``torch.ops.deepinfer_cpu``
+(``load()``) and gives the ``OpGraph`` class that ``deepinfer.backends.cpu.graph`` replays steps with
+(``module()``).
 
 ``toolchain_problem()`` says what is missing when the host cannot build them, so the platform can
 choose the reference backend loudly (``DEEPINFER_CPU_BACKEND=auto``) or refuse (``=fast``).
@@ -15,6 +18,7 @@ from __future__ import annotations
 
 import fcntl
 import hashlib
+import importlib.util
 import os
 import platform
 import shutil
@@ -30,15 +34,15 @@ from deepinfer.logger import get_logger
 logger = get_logger(__name__)
 
 CSRC = Path(__file__).resolve().parent / "csrc"
-SOURCES = sorted(
-    CSRC.glob("*.cpp")
-)  # kernels.cpp (attention, cache, norms, rope), moe.cpp (routing, experts)
+# kernels.cpp (attention, cache, norms, rope), moe.cpp (routing, experts), graph.cpp (graph replay)
+SOURCES = sorted(CSRC.glob("*.cpp"))
 HEADERS = sorted(CSRC.glob("*.h"))
 # -fno-trapping-math lets the compiler vectorise loops with float selects (the clamps in fast_exp):
 # it changes no value, only the assumption that floating-point exceptions are never inspected.
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-trapping-math"]
+_NAME = "deepinfer_cpu_ops"
 _lock = threading.Lock()
-_loaded = False
+_module: Any = None
 
 
 class NativeBuildError(RuntimeError):
@@ -80,7 +84,7 @@ def build_dir() -> Path:
 
 def toolchain_problem() -> str | None:
     """None when the kernels are built already or can be built here; else what is missing."""
-    if (build_dir() / "deepinfer_cpu_ops.so").is_file():
+    if (build_dir() / f"{_NAME}.so").is_file():
         return None
     from torch.utils import cpp_extension
 
@@ -101,19 +105,27 @@ def load() -> Any:
     waits forever) is removed under that lock before building, and a finished build is loaded directly,
     without torch's builder, so other checkouts of the same source never rebuild it.
     """
-    global _loaded
+    module()
+    return torch.ops.deepinfer_cpu
+
+
+def module() -> Any:
+    """The built extension module (``OpGraph``), loaded as ``load()`` does. Idempotent."""
+    global _module
     with _lock:
-        if not _loaded:
+        if _module is None:
             target = build_dir()
-            library = target / "deepinfer_cpu_ops.so"
+            library = target / f"{_NAME}.so"
             if not library.is_file():
                 _build(target)
             try:
-                torch.ops.load_library(str(library))
-            except (RuntimeError, OSError) as exc:
+                spec = importlib.util.spec_from_file_location(_NAME, library)
+                loaded = importlib.util.module_from_spec(spec)
+                spec.loader.exec_module(loaded)
+            except (ImportError, OSError) as exc:
                 raise NativeBuildError(f"loading {library} failed: {exc}") from exc
-            _loaded = True
-    return torch.ops.deepinfer_cpu
+            _module = loaded
+    return _module
 
 
 def _build(target: Path) -> None:
@@ -125,18 +137,18 @@ def _build(target: Path) -> None:
     target.mkdir(parents=True, exist_ok=True)
     with open(target / "build.flock", "w") as held:
         fcntl.flock(held, fcntl.LOCK_EX)  # another process may be building: wait for it, not for a corpse
-        if (target / "deepinfer_cpu_ops.so").is_file():
+        if (target / f"{_NAME}.so").is_file():
             return
         (target / "lock").unlink(missing_ok=True)  # torch's baton, left by a build that was killed
         logger.info("building the fast CPU kernels into %s (once per source/torch/CPU)", target)
         try:
             cpp_extension.load(
-                name="deepinfer_cpu_ops",
+                name=_NAME,
                 sources=[str(path) for path in SOURCES],
                 build_directory=str(target),
                 extra_cflags=_FLAGS,
                 extra_ldflags=["-fopenmp"],
-                is_python_module=False,
+                is_python_module=True,
                 verbose=False,
             )
         except (RuntimeError, OSError, ImportError) as exc:

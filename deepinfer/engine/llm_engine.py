@@ -102,14 +102,15 @@ class LLMEngine:
         self.num_draft_tokens, confidence = self._speculation()
         self.max_model_len = self._fit_context(num_blocks, self.num_draft_tokens)
         # Graph padding rows read and write one reserved block past the ones the manager hands out.
-        cache_blocks = num_blocks + 1 if config.graph_capture else num_blocks
+        self.graph_capture = self._graph_capture(shard)
+        cache_blocks = num_blocks + 1 if self.graph_capture else num_blocks
         self.kv_caches = [
             self.cache_spec.allocate(cache_blocks, self.device) for _ in range(self.model.num_cache_layers)
         ]
-        if config.graph_capture:
+        if self.graph_capture:
             for layer in self.kv_caches:
                 for tensor in layer:
-                    tensor.zero_()  # padding rows read the reserved block: keep it finite
+                    tensor[num_blocks].zero_()  # padding rows read the reserved block: keep it finite
         self.kv_cache = KVCacheManager(num_blocks, self.cache_spec.block_size, config.enable_prefix_caching)
         self.structured = StructuredOutputs(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
         # Deterministic mode: one attention path for every token (prompt chunks take the absorbed decode
@@ -126,14 +127,14 @@ class LLMEngine:
                 self.model,
                 self.kv_caches,
                 self.platform.graph,
-                config.max_num_seqs,
+                self.platform.graph_batch_sizes(config.max_num_seqs),
                 -(-self.max_model_len // self.cache_spec.block_size),
                 self.cache_spec.block_size,
                 num_blocks,
                 self.device,
                 active_ops().graph_session,
             )
-            if config.graph_capture
+            if self.graph_capture
             else None
         )
         self.kv_connector = self._kv_store(folder, tokenizer_dir) if config.kv_store is not None else None
@@ -193,6 +194,19 @@ class LLMEngine:
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             ids.add(self.tokenizer.eos_token_id)
         return frozenset(ids)
+
+    def _graph_capture(self, shard: ExpertShard | None) -> bool:
+        """``EngineConfig.graph_capture``, or the platform's default when unset; the default is off
+        under expert or data parallelism (collectives exchange data-dependent sizes) and in deterministic
+        mode (its grouped expert products size their padding from the routing, on the host)."""
+        if self.config.graph_capture is not None:
+            return self.config.graph_capture
+        return (
+            shard is None
+            and self.config.data_parallel_size == 1
+            and not self.deterministic
+            and self.platform.graph_capture_default
+        )
 
     def _kv_store(self, folder: Path, tokenizer_dir: Path):
         """The KV store connector (deepinfer/kvstore), passed to the runner."""

@@ -1,11 +1,14 @@
-"""Decode steps captured as device graphs (CUDA graphs, ACL graphs), one per padded batch size.
+"""Decode steps captured as device graphs (CUDA graphs, ACL graphs, CPU graphs), one per batch size.
 
 A step where every request computes exactly one token runs the model forward by replaying a graph
-captured for the next batch size up (1, 2, 4, ... up to the most requests a step may hold). Inputs are
-copied into static buffers first; padding rows are requests of length one whose token is written to,
-and read from, a block reserved for padding, so they never touch real requests' cache. Captured
-lazily, on the first step of each size, through the platform's graph wrapper: on the CPU that wrapper
-re-runs the forward eagerly, which keeps this code path testable everywhere.
+captured for the next batch size up among the platform's ``graph_batch_sizes`` (1, 2, 4, ... on
+devices; every size on the CPU, which pads nothing). Inputs are copied into static buffers first;
+padding rows are requests of length one whose token is written to, and read from, a block reserved for
+padding, so they never touch real requests' cache. Captured lazily, on the first step of each size,
+through the platform's graph wrapper (the eager wrapper re-runs the forward, which keeps this code path
+testable on any backend). A forward the wrapper refuses to capture (``GraphCaptureError``: it reads a
+value on the host, for instance) turns graphs off for the engine, with a warning naming why: every size
+runs the same forward.
 """
 
 from __future__ import annotations
@@ -17,17 +20,12 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from deepinfer.logger import get_logger
 from deepinfer.model.attn_metadata import AttentionMetadata, DecodeMetadata
 from deepinfer.model.deepseek_v3 import DeepseekV3ForCausalLM
-from deepinfer.platform.interface import GraphCapture
+from deepinfer.platform.interface import GraphCapture, GraphCaptureError
 
-
-def padded_sizes(max_batch: int) -> list[int]:
-    sizes, size = [], 1
-    while size < max_batch:
-        sizes.append(size)
-        size *= 2
-    return [*sizes, max_batch]
+logger = get_logger(__name__)
 
 
 class DecodeGraphs:
@@ -36,7 +34,7 @@ class DecodeGraphs:
         model: DeepseekV3ForCausalLM,
         kv_caches: Sequence[Sequence[Tensor]],
         new_graph: Callable[[], GraphCapture],
-        max_batch: int,
+        sizes: Sequence[int],
         max_blocks_per_request: int,
         block_size: int,
         pad_block: int,
@@ -46,7 +44,11 @@ class DecodeGraphs:
         self.model = model
         self.kv_caches = kv_caches
         self.new_graph = new_graph
-        self.sizes = padded_sizes(max_batch)
+        """``sizes``: the batch sizes graphs are captured for, ascending; a step pads up to the next."""
+        if not sizes or list(sizes) != sorted(set(sizes)) or sizes[0] < 1:
+            raise ValueError(f"graph batch sizes must be ascending, distinct and >= 1, got {list(sizes)}")
+        self.sizes = list(sizes)
+        max_batch = self.sizes[-1]
         self.block_size = block_size
         self.pad_block = pad_block
         pad_slot = pad_block * block_size
@@ -60,20 +62,33 @@ class DecodeGraphs:
         self.query_start_loc = torch.arange(max_batch + 1, dtype=torch.int32, device=device)
         self.session_factory = session_factory  # the op backend's, when captures bake host values
         self.graphs: dict[int, tuple[GraphCapture, Tensor, Any]] = {}
+        self.refused: str | None = None  # why capture failed, after which every step runs eagerly
 
     def applicable(self, meta: AttentionMetadata, num_tokens: int) -> bool:
         """True for a decode-only step (one token per request) that fits the largest graph."""
         d = meta.decode
         return (
-            meta.prefill is None and d is not None and d.max_query_len == 1 and num_tokens <= self.sizes[-1]
+            self.refused is None
+            and meta.prefill is None
+            and d is not None
+            and d.max_query_len == 1
+            and num_tokens <= self.sizes[-1]
         )
 
-    def forward(self, input_ids: Tensor, positions: Tensor, meta: AttentionMetadata) -> Tensor:
-        """The model's final hidden states [n, D] for a decode-only step, by graph replay."""
+    def forward(self, input_ids: Tensor, positions: Tensor, meta: AttentionMetadata) -> Tensor | None:
+        """The model's final hidden states [n, D] for a decode-only step, by graph replay; None when the
+        forward cannot be captured (then graphs stay off and the caller runs it eagerly)."""
         n = input_ids.shape[0]
         size = next(s for s in self.sizes if s >= n)
         if size not in self.graphs:
-            self.graphs[size] = self._capture(size)
+            try:
+                self.graphs[size] = self._capture(size)
+            except GraphCaptureError as exc:
+                self.refused = str(exc)
+                logger.warning(
+                    "decode graphs off, every step runs eagerly: the forward cannot be captured: %s", exc
+                )
+                return None
         d = meta.decode
         width = min(d.block_table.shape[1], self.block_table.shape[1])  # wider columns are never read
         self.input_ids[:n].copy_(input_ids)
@@ -81,7 +96,8 @@ class DecodeGraphs:
         self.slot_mapping[:n].copy_(meta.slot_mapping)
         self.block_table[:n, :width].copy_(d.block_table[:, :width])
         self.seq_lens[:n].copy_(d.seq_lens)
-        self._reset_padding(n, size)
+        if n < size:
+            self._reset_padding(n, size)
         graph, hidden, session = self.graphs[size]
         if session is not None:
             session.update(self.seq_lens[:size].tolist(), self.query_start_loc[: size + 1].tolist())

@@ -102,9 +102,10 @@ class ModelRunner:
             masks = self.structured.start_masks(
                 [(r.request_id, first, drafts) for r, first, drafts in plan.spans], len(plan.rows)
             )
+        hidden = None
         if self.graphs is not None and self.graphs.applicable(inputs.meta, inputs.input_ids.shape[0]):
             hidden = self.graphs.forward(inputs.input_ids, inputs.positions, inputs.meta)
-        else:
+        if hidden is None:
             hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta, self.kv_caches)
         out = RunnerOutput()
         if plan.rows:
