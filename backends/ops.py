@@ -349,6 +349,17 @@ def sample(
 
 
 @portable
+def greedy(logits: Tensor) -> Tensor:
+    """Greedy decoding: each row's most probable token, as ``sample`` picks it at temperature 0.
+
+    logits: [B, V] float32. Returns [B] int64: per row the index of its largest value, the lowest such
+    index among ties, and the first NaN's index in a row that holds one (NaN ranks above every number,
+    as in ``torch.argmax``).
+    """
+    return active_ops().greedy(logits)
+
+
+@portable
 def apply_token_bitmask(logits: Tensor, bitmask: Tensor) -> None:
     """Structured outputs: forbid tokens, in place.
 

@@ -6,14 +6,24 @@ is ``deepinfer.backends.cpu.backend.OPS``; importing that module activates the b
 built, or loaded from the cache, by ``deepinfer.backends.cpu.native``), while this package stays
 import-light so the platform can ask ``native.toolchain_problem()`` first. What it implements and why:
 
-- ``mla_decode``: reads each cached row once, in place through the block table, with an online softmax,
-  split along the KV and merged by log-sum-exp (the reference gathers and pads every request's blocks).
-- ``kv_cache_write``, ``rms_norm``, ``add_rms_norm``, ``rope``: one pass each instead of several torch
-  ops (at small batches a decode step is mostly op dispatch). ``silu_and_mul`` stays torch's: its
-  vectorised SiLU beat a one-pass kernel here.
-- ``linear``: the per-head form (MLA's absorbed W_UK / W_UV) as one ``bmm`` on strided views; the
-  reference's ``einsum`` spends several times the product in planning at decode batch sizes.
-- ``moe_route``, ``grouped_gemm``, ``fused_moe``: one native pass for routing; the experts' weights read
-  in place by a dot-product kernel at small row counts and by MKL over each expert's gathered rows at
-  large ones, no argsort, no Python loop over experts and no host synchronisation (``moe``).
+- ``mla_decode``: reads each cached row once, in place through the block table (the next tile's rows
+  prefetched), with an online softmax over tiles of 16 keys; a work item is a block of a request's
+  (token, head) rows against a range of its keys, and a request's keys are split into ranges merged by
+  log-sum-exp only when the batch alone cannot keep the threads busy (the reference gathers and pads
+  every request's blocks). Deterministic mode's invariant kernel runs the same work items unsplit.
+- ``kv_cache_write``, ``rms_norm``, ``add_rms_norm``, ``rope``, ``silu_and_mul``: one pass each
+  instead of several torch ops (at small batches a decode step is mostly op dispatch; a prefill chunk's
+  SwiGLU is three passes over memory in torch).
+- ``linear``: up to eight rows, skinny products (``csrc/skinny.h``) that read the weight in place in
+  either layout (nn.Linear's rows, or a transposed view: the D-major LM head, MLA's absorbed W_UK) with
+  enough independent accumulators to stream it at memory speed, split over threads by output columns;
+  more rows, MKL (``at::linear``; one ``bmm`` on strided views for the per-head form).
+- ``moe_route``, ``grouped_gemm``, ``fused_moe``: one native pass for routing; an expert with few rows
+  runs the same skinny products on its gathered rows, work items (expert, block of output columns), and
+  one with many goes to MKL over its gathered rows; no argsort, no Python loop over experts and no host
+  synchronisation (``moe``).
+- ``greedy``: a row's argmax by a vector scan (torch's compares one element at a time).
+
+Decode steps run as CPU graphs (``graph``): the step's op calls recorded once per batch size and
+replayed from C++ without Python (``deepinfer.platform.cpu``'s graph wrapper).
 """

@@ -4,20 +4,15 @@ from deepinfer.backends.registry import OpTable
 
 OPS = OpTable("deepinfer.backends.cpu.backend")
 
-from deepinfer.backends.cpu import attention, cache, deterministic, linear, moe, norm  # noqa: E402  (submodules register into OPS)
+from deepinfer.backends.cpu import attention, cache, deterministic, linear, moe, norm, sampling  # noqa: E402  (submodules register into OPS)
 
 OPS.use_reference_for(
     ["ep_dispatch", "ep_combine", "sample"],
     "already vectorised torch without loops; a kernel would save only dispatch time",
 )
-OPS.use_reference_for(
-    ["silu_and_mul"],
-    "torch's SiLU is vectorised (Sleef exp); a one-pass kernel measured 0.5-0.65x of it",
-)
 OPS.use_reference_for(["kv_cache_gather"], "one index_select reads each row once")
-OPS.use_reference_for(["mla_prefill"], "torch's fused CPU attention per request; no faster kernel yet")
 # Deterministic mode: the invariant attention kernel and grouped products, and the kernels declared
 # invariant, are in ``deterministic``.
 OPS.declare_invariant(["kv_cache_spec", "kv_cache_write"], "the reference's layout; row copies")
 
-__all__ = ["OPS", "attention", "cache", "deterministic", "linear", "moe", "norm"]
+__all__ = ["OPS", "attention", "cache", "deterministic", "linear", "moe", "norm", "sampling"]

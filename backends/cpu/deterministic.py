@@ -17,6 +17,7 @@ from torch import Tensor
 from deepinfer.backends.cpu.backend import OPS
 from deepinfer.backends.cpu.moe import _grouped
 from deepinfer.backends.cpu.native import load
+from deepinfer.backends.cpu.norm import silu_and_mul
 from deepinfer.backends.reference.invariant import ROW_TILE
 
 _native = load()
@@ -45,14 +46,6 @@ def mla_decode(
     return _native.mla_decode_invariant(
         q_nope, q_pe, cache, block_table, seq_lens, query_start_loc, scale, sliding_window or 0
     )
-
-
-@OPS.implement_invariant(
-    "native kernel: silu(gate) * up in float32, every element through the same vector code (blocks of 16 "
-    "per row in a local buffer: no scalar tail, no alignment peeling, no size-dependent thread split)"
-)
-def silu_and_mul(x: Tensor) -> Tensor:
-    return _native.silu_and_mul_invariant(x)
 
 
 OPS.declare_invariant(
@@ -103,7 +96,9 @@ def grouped_gemm(x: Tensor, weight: Tensor, group_sizes: Tensor) -> Tensor:
 
 
 @OPS.implement_invariant(
-    ONE_SHAPE_PER_EXPERT + "; silu_and_mul's invariant kernel; each token's k expert outputs are added in "
+    ONE_SHAPE_PER_EXPERT
+    + "; the native silu_and_mul (invariant as it is); each token's k expert outputs are "
+    "added in "
     "ascending expert id order"
 )
 def fused_moe(hidden: Tensor, w13: Tensor, w2: Tensor, topk_weights: Tensor, topk_ids: Tensor) -> Tensor:

@@ -5,8 +5,9 @@
   standard-library selection with the same comparator), so ties resolve as the reference's do.
 - ``fused_moe``: every (token, expert) pair through the expert's weights read in place; no weight
   gather, no argsort, no loop over experts in Python and no host synchronisation. An expert with fewer
-  than ``MM_ROWS`` rows runs through a dot-product kernel parallel over (expert, block of output columns),
-  so two threads share even one token's experts; an expert with more runs as one ``at::mm`` per matrix
+  than ``MM_ROWS`` rows runs the skinny products of ``csrc/skinny.h`` (the native ``linear``'s) on its
+  gathered rows, parallel over (expert, block of output columns), so two threads share even one token's
+  experts; an expert with more runs as one ``at::mm`` per matrix
   over its gathered rows (MKL; float32 only, unless the CPU has native bf16: see ``mm_rows``). Each
   token's k expert outputs are added in float32 in slot order.
 - ``grouped_gemm``: the same two paths over rows already grouped by expert (the large one multiplies
@@ -28,11 +29,11 @@ from deepinfer.backends.cpu.native import cpu_has_bf16, load
 _native = load()
 
 # An expert with at least this many rows in a call is multiplied by at::mm on its gathered rows; fewer go
-# through the dot-product kernel. Measured with bench/moe_layer.py --threshold (the bundled model's experts,
-# D 192, I 64, fp32, 1 thread, every expert on one path): the kernel 3-5x faster up to 16 rows per expert,
-# 1.5x at 48, even at 64, MKL 1.25x faster at 128. Decode batches sit far below it (64 requests: 8-27 rows
-# per expert), prefill chunks far above (2048 tokens: about 512).
-MM_ROWS = 64
+# through the skinny products. Measured on fused_moe alone (the bundled model's experts, D 192, I 64, 16
+# experts, top 4, fp32, 2 threads, every expert on one path, best of 5): 16 rows per expert 294 us skinny
+# against 426 at::mm; 32 rows 732 against 554; 64 rows 1,380 against 1,000-1,100. Decode batches sit near
+# or below it (64 requests: 8-27 rows per expert), prefill chunks far above (2048 tokens: about 512).
+MM_ROWS = 24
 # Without native bf16 arithmetic (AVX-512 BF16 / AMX), at::mm in 16-bit types measured 4-37x slower than
 # the kernel at every row count (1-128 rows per expert): such calls never take the at::mm path.
 _NEVER = 1 << 62

@@ -1,4 +1,4 @@
-"""Fused RMSNorm, residual add + RMSNorm and rotary embedding: one native pass each."""
+"""Fused RMSNorm, residual add + RMSNorm, rotary embedding and SwiGLU: one native pass each."""
 
 from __future__ import annotations
 
@@ -25,3 +25,15 @@ def rope(
     q: Tensor, k: Tensor, positions: Tensor, cos_sin_cache: Tensor, interleaved: bool
 ) -> tuple[Tensor, Tensor]:
     return _native.rope(q, k, positions, cos_sin_cache, interleaved)
+
+
+@OPS.implement
+def silu_and_mul(x: Tensor) -> Tensor:
+    return _native.silu_and_mul(x)
+
+
+OPS.declare_invariant(
+    ["silu_and_mul"],
+    "native kernel: silu(gate) * up in float32, every element through the same 16-lane vector code (the "
+    "last lanes of a row masked: no scalar tail, no alignment peeling, no size-dependent thread split)",
+)

@@ -152,6 +152,7 @@ OPS.declare_invariant(
 OPS.declare_invariant(
     ["sample"], "per row: counter-based noise from (seed, offset, token) and per-row softmax, filters, argmax"
 )
+OPS.declare_invariant(["greedy"], "per row: an index comparison, no arithmetic")
 OPS.declare_invariant(["ep_dispatch"], "row copies and exchange: no arithmetic")
 OPS.declare_invariant(
     ["ep_combine"],

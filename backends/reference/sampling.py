@@ -104,3 +104,8 @@ def apply_token_bitmask(logits: Tensor, bitmask: Tensor) -> None:
     bits = torch.arange(32, device=bitmask.device, dtype=torch.int32)
     allowed = ((bitmask.to(logits.device)[:, :, None] >> bits) & 1).flatten(1)[:, :vocab]
     logits.masked_fill_(allowed == 0, float("-inf"))
+
+
+@OPS.implement
+def greedy(logits: Tensor) -> Tensor:
+    return logits.argmax(dim=-1)

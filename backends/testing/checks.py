@@ -439,6 +439,29 @@ def check_sample(ops: OpTable, device: torch.device, case: str) -> None:
 
 
 @nan_filled_memory()
+def check_greedy(ops: OpTable, device: torch.device, vocab: int, case: str) -> None:
+    """Bit-exact against the reference: integer-valued logits (many ties, which the lowest index
+    wins), rows of -inf but one, a row of -inf only, and rows holding NaN (the first NaN wins)."""
+    gen = generator(case)
+    logits = torch.randint(-3, 4, (70, vocab), generator=gen).float()
+    logits[1] = float("-inf")
+    logits[1, vocab - 1] = 0.0
+    logits[2] = float("-inf")
+    logits[3, vocab // 2] = float("nan")
+    logits[4, [vocab // 3, vocab - 2]] = float("nan")
+    logits[5, 0] = float("nan")
+    logits[6, -1] = 100.0
+    poison_device_memory(device)
+    out = ops.greedy(_on(logits, device))
+    ref = reference_ops().greedy(logits)
+    if out.dtype != torch.int64:
+        raise AssertionError(f"greedy[{case}]: returned {out.dtype}, expected torch.int64")
+    mismatched = (out.cpu() != ref).nonzero().flatten().tolist()
+    if mismatched:
+        raise AssertionError(f"greedy[{case}]: rows {mismatched} picked other tokens than the reference")
+
+
+@nan_filled_memory()
 def check_apply_token_bitmask(ops: OpTable, device: torch.device, case: str) -> None:
     gen = generator(case)
     rows, vocab = 5, 1000  # not a multiple of 32: the last word is partial
@@ -460,22 +483,35 @@ def check_apply_token_bitmask(ops: OpTable, device: torch.device, case: str) -> 
         raise AssertionError(f"apply_token_bitmask[{case}]: {wrong} logits differ from the mask")
 
 
+# Row counts check_linear covers: a decode batch of one and a few (where backends may take a
+# matrix-vector path), eight, and more.
+LINEAR_ROWS = (1, 3, 8, 13)
+
+
 @nan_filled_memory()
 def check_linear(
     ops: OpTable, device: torch.device, dtype: torch.dtype, k: int, n: int, heads: int, case: str
 ) -> None:
-    """heads = 0: x [T, K] by weight [N, K] with a bias; heads > 0: per-head x [T, H, K] by [H, N, K]."""
+    """heads = 0: x [T, K] by weight [N, K] with a bias; heads > 0: per-head x [T, H, K] by [H, N, K].
+    For every row count of ``LINEAR_ROWS``, with the weight laid out as loaded (unit stride along K) and
+    as the transposed view of a [K, N] matrix (unit stride along N: the D-major LM head, MLA's absorbed
+    W_UK), which the model also passes."""
     gen = generator(case)
-    tokens = 13
     if heads:
-        x, w, bias = randn(gen, tokens, heads, k), randn(gen, heads, n, k, scale=k**-0.5), None
+        xs, w, bias = randn(gen, max(LINEAR_ROWS), heads, k), randn(gen, heads, n, k, scale=k**-0.5), None
     else:
-        x, w, bias = randn(gen, tokens, k), randn(gen, n, k, scale=k**-0.5), randn(gen, n)
-    poison_device_memory(device)
-    out = ops.linear(
-        _on(x, device, dtype), _on(w, device, dtype), None if bias is None else _on(bias, device, dtype)
-    )
-    ref = reference_ops().linear(
-        _rounded(x, dtype), _rounded(w, dtype), None if bias is None else _rounded(bias, dtype)
-    )
-    assert_close(f"linear[{case}]", out, ref, dtype)
+        xs, w, bias = randn(gen, max(LINEAR_ROWS), k), randn(gen, n, k, scale=k**-0.5), randn(gen, n)
+    for tokens in LINEAR_ROWS:
+        x = xs[:tokens]
+        ref = reference_ops().linear(
+            _rounded(x, dtype), _rounded(w, dtype), None if bias is None else _rounded(bias, dtype)
+        )
+        for layout in ("rows", "columns"):
+            weight = _on(w, device, dtype)
+            if layout == "columns":
+                weight = weight.transpose(-1, -2).contiguous().transpose(-1, -2)
+            poison_device_memory(device)
+            out = ops.linear(
+                _on(x, device, dtype), weight, None if bias is None else _on(bias, device, dtype)
+            )
+            assert_close(f"linear[{case}, {tokens} rows, {layout}]", out, ref, dtype)

@@ -242,6 +242,9 @@ def check_sample_and_mask(table: OpTable, device: torch.device, case: str) -> No
         ]
 
     _rowwise("sample", ops.sample, rows(1), rows, gen, device, None)
+    _rowwise(
+        "greedy", ops.greedy, [randn(gen, 1, vocab)], lambda m: [randn(gen, m, vocab)], gen, device, None
+    )
 
     def masked(logits: Tensor, bitmask: Tensor) -> Tensor:
         out = logits.clone()

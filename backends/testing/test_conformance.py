@@ -10,7 +10,7 @@ from deepinfer.backends.testing.harness import SMALL_MLA, SMALL_MOE, V3_MLA, Tar
 
 MLA_SHAPES = [SMALL_MLA, V3_MLA]
 # (K, N, heads): small, V3's q_a_proj (7168 -> 1536), V3's absorbed W_UK per head (128 -> 512, 128 heads)
-LINEAR_DIMS = [(64, 48, 0), (48, 64, 4), (7168, 1536, 0), (128, 512, 128)]
+LINEAR_DIMS = [(64, 48, 0), (37, 19, 0), (48, 64, 4), (33, 50, 3), (7168, 1536, 0), (128, 512, 128)]
 
 
 def linear_id(dims: tuple[int, int, int]) -> str:
@@ -134,6 +134,11 @@ def test_sample(target: Target, case: str) -> None:
     checks.check_sample(target.ops, target.device, f"sample-{case}")
 
 
+@pytest.mark.parametrize("vocab", [7, 1000, 129280])
+def test_greedy(target: Target, vocab: int) -> None:
+    checks.check_greedy(target.ops, target.device, vocab, f"greedy-{vocab}")
+
+
 def test_apply_token_bitmask(target: Target) -> None:
     checks.check_apply_token_bitmask(target.ops, target.device, "bitmask")
 
@@ -145,6 +150,6 @@ def test_every_interface_op_is_covered() -> None:
     covered = {
         "rms_norm", "add_rms_norm", "silu_and_mul", "rope", "kv_cache_spec", "kv_cache_write",
         "kv_cache_gather", "mla_prefill", "mla_prefill_partial", "mla_decode", "moe_route", "grouped_gemm", "fused_moe",
-        "ep_dispatch", "ep_combine", "sample", "apply_token_bitmask", "linear",
+        "ep_dispatch", "ep_combine", "sample", "greedy", "apply_token_bitmask", "linear",
     }  # fmt: skip
     assert set(interface_ops()) == covered

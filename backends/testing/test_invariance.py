@@ -69,7 +69,7 @@ def test_every_op_has_an_invariance_check() -> None:
 
     checked = {
         "rms_norm", "add_rms_norm", "silu_and_mul", "linear", "rope", "moe_route", "grouped_gemm",
-        "fused_moe", "ep_dispatch", "ep_combine", "sample", "apply_token_bitmask", "kv_cache_spec",
+        "fused_moe", "ep_dispatch", "ep_combine", "sample", "greedy", "apply_token_bitmask", "kv_cache_spec",
         "kv_cache_write", "kv_cache_gather", "mla_decode", "mla_prefill", "mla_prefill_partial",
     }  # fmt: skip
     assert set(interface_ops()) == checked

@@ -110,7 +110,7 @@ def sample_rows(
     if all(p.greedy for p in params):
         # Every row greedy: the sample op's result (temperature 0 is argmax, the filters ignored),
         # without building its six per-row parameter tensors.
-        tokens = logits.argmax(dim=-1)
+        tokens = ops.greedy(logits)
     else:
         tokens = ops.sample(
             logits,

@@ -26,6 +26,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
+from deepinfer.backends import ops
 from deepinfer.model.deepseek_v3 import DeepseekV3ForCausalLM
 from deepinfer.worker.inputs import InputBuilder, StepInputs
 
@@ -182,7 +183,7 @@ class MTPProposer:
         active = list(range(len(chains)))  # the chains still drafting, in the rows of step_hidden
         for depth in range(1, self.num_drafts + 1):
             probs = torch.softmax(step_logits, dim=-1)
-            draft = probs.argmax(dim=-1).tolist()
+            draft = ops.greedy(probs).tolist()
             features = None
             if self.head is not None or self.trace is not None:
                 features = ConfidenceHead.features(probs, last_step[active], depth)

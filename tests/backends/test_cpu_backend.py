@@ -227,13 +227,13 @@ def test_kv_cache_write_skips_padding_and_casts() -> None:
 
 def test_deterministic_mode_runs_the_fast_backends_own_invariant_formulations() -> None:
     routes = FAST.invariance()
-    for name in ("mla_decode", "silu_and_mul", "fused_moe", "grouped_gemm"):
+    for name in ("mla_decode", "fused_moe", "grouped_gemm"):
         assert routes[name].formulation == "invariant", routes[name]
-    for name in ("rms_norm", "add_rms_norm", "rope", "moe_route"):
+    for name in ("rms_norm", "add_rms_norm", "rope", "moe_route", "silu_and_mul", "greedy", "mla_prefill"):
         assert routes[name].formulation == "default", routes[name]
-    # silu_and_mul's default is the reference's (a fallback), its deterministic formulation the backend's own
-    assert FAST.default_implementation("silu_and_mul") is REF.default_implementation("silu_and_mul")
-    assert FAST.deterministic_implementation("silu_and_mul") is fast_deterministic.silu_and_mul
+    # one native SwiGLU kernel, invariant as it is, serves both modes (and the invariant grouped experts)
+    assert FAST.deterministic_implementation("silu_and_mul") is FAST.default_implementation("silu_and_mul")
+    assert fast_deterministic.silu_and_mul is FAST.default_implementation("silu_and_mul")
 
 
 # ----------------------------------------------------------------------------- platform selection

@@ -3,7 +3,7 @@ float32 and in bfloat16 (whose looser tolerance must not hide a real bug): each 
 of the fast backend by a broken version of that same op and expects the check to name it.
 
 Deterministic-mode cases break the op's invariant formulation (the native ``mla_decode_invariant`` and
-``silu_and_mul_invariant`` kernels, the padded grouped products) and run the invariance checks, which
+``silu_and_mul`` kernels, the padded grouped products) and run the invariance checks, which
 also compare each formulation with the reference.
 """
 
@@ -17,8 +17,10 @@ import torch
 from deepinfer.backends.cpu import attention as fast_attention
 from deepinfer.backends.cpu import cache as fast_cache
 from deepinfer.backends.cpu import deterministic as fast_deterministic
+from deepinfer.backends.cpu import linear as fast_linear
 from deepinfer.backends.cpu import moe as fast_moe
 from deepinfer.backends.cpu import norm as fast_norm
+from deepinfer.backends.cpu import sampling as fast_sampling
 from deepinfer.backends.cpu.backend import OPS as FAST
 from deepinfer.backends.registry import OpTable, interface_ops, load_backend
 from deepinfer.backends.testing import checks, invariance
@@ -83,6 +85,32 @@ def _unwritten_last_row(x, weight, eps):
     out = fast_norm.rms_norm(x, weight, eps)
     out[-1] = float("nan")  # as if the last row were never written
     return out
+
+
+def _linear_one_row_without_bias(x, weight, bias):  # a decode batch of one loses its bias
+    return fast_linear.linear(x, weight, None if x.shape[0] == 1 else bias)
+
+
+def _linear_columns_read_as_rows(x, weight, bias):  # a transposed-view weight read with rows' strides
+    if weight.dim() == 2 and weight.stride(0) == 1 and weight.shape[0] > 1:
+        weight = weight.t().contiguous().view(weight.shape)
+    return fast_linear.linear(x, weight, bias)
+
+
+def _linear_skinny_last_column(x, weight, bias):  # few rows: the last output column left unwritten
+    out = fast_linear.linear(x, weight, bias)
+    if x.shape[0] <= 8:
+        out[..., -1] = float("nan")
+    return out
+
+
+def _greedy_last_of_ties(logits):  # ties to the highest index
+    flipped = logits.flip(-1)
+    return logits.shape[-1] - 1 - fast_sampling.greedy(flipped)
+
+
+def _greedy_ignores_nan(logits):  # NaN skipped as if it were -inf
+    return fast_sampling.greedy(torch.nan_to_num(logits, nan=float("-inf")))
 
 
 def rope(q, k, positions, cos_sin_cache, interleaved):  # the other pairing
@@ -152,7 +180,7 @@ def _check_route_ties(table: OpTable, dtype: torch.dtype) -> None:
 
 
 def silu_and_mul_invariant(x):  # gate and up swapped
-    return fast_deterministic.silu_and_mul(x.roll(x.shape[-1] // 2, dims=-1))
+    return fast_norm.silu_and_mul(x.roll(x.shape[-1] // 2, dims=-1))
 
 
 def fused_moe_invariant(hidden, w13, w2, topk_weights, topk_ids):  # routing weights dropped
@@ -166,6 +194,36 @@ def grouped_gemm_invariant(x, weight, group_sizes):  # group boundaries shifted 
 # (id, broken op, the check it must fail, what the failure must say)
 Mutation = tuple[str, Callable, Callable[[OpTable, torch.dtype], None], str]
 MUTATIONS: list[Mutation] = [
+    (
+        "greedy-ties-to-the-highest-index",
+        _named("greedy", _greedy_last_of_ties),
+        lambda t, d: checks.check_greedy(t, CPU, 1000, "m-ties"),
+        r"greedy\[m-ties\]: rows",
+    ),
+    (
+        "greedy-ignores-nan",
+        _named("greedy", _greedy_ignores_nan),
+        lambda t, d: checks.check_greedy(t, CPU, 1000, "m-nan"),
+        r"greedy\[m-nan\]: rows \[3, 4, 5\]",
+    ),
+    (
+        "linear-one-row-drops-bias",
+        _named("linear", _linear_one_row_without_bias),
+        lambda t, d: checks.check_linear(t, CPU, d, 64, 48, 0, "m-bias"),
+        r"linear\[m-bias, 1 rows",
+    ),
+    (
+        "linear-columns-read-as-rows",
+        _named("linear", _linear_columns_read_as_rows),
+        lambda t, d: checks.check_linear(t, CPU, d, 37, 19, 0, "m-layout"),
+        r"linear\[m-layout, 1 rows, columns\]",
+    ),
+    (
+        "linear-skinny-last-column-unwritten",
+        _named("linear", _linear_skinny_last_column),
+        lambda t, d: checks.check_linear(t, CPU, d, 33, 50, 3, "m-column"),
+        r"linear\[m-column, 1 rows, rows\].*non-finite",
+    ),
     (
         "mla_decode-mis-scaled",
         _decode_scaled(fast_attention.mla_decode),

@@ -12,6 +12,8 @@
 #include <torch/library.h>
 
 #include "common.h"
+#include "activation.h"
+#include "skinny.h"
 
 #ifdef __AVX2__
 #include <immintrin.h>
@@ -27,6 +29,7 @@ namespace {
 
 using deepinfer_cpu::fast_exp;
 using deepinfer_cpu::load_row;
+using deepinfer_cpu::max_of;
 using deepinfer_cpu::store_row;
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
@@ -48,11 +51,28 @@ inline float dot(const float* a, const float* b, int64_t n) {
   return s;
 }
 
-// ------------------------------------------------------------------------------------- MLA decode
+// ------------------------------------------------------------------------------------- MLA attention
+//
+// Both attention kernels (the default decode kernel and deterministic mode's invariant one) run the same
+// work item: a block of at most kRowBlock consecutive (token, head) rows of one request against a range
+// of its keys, walked in tiles of kTile keys cut at fixed positions (every kTile keys from position 0, and
+// at cache-block boundaries). Per tile: its rows are read once, in place (a full float32 tile straight from
+// the cache; otherwise widened into a zero-padded float tile), the next tile's rows are prefetched (blocks
+// lie anywhere in the cache, so the hardware prefetcher cannot guess them), the tile is transposed once
+// for all the block's rows, and rows are scored and updated in zero-padded groups of kHeadGroup by one
+// code path: an online softmax (running max, sum of exponentials, unnormalised float32 output), a key a
+// row does not see weighing exactly 0. Items share nothing, so how the batch is cut and the thread count
+// never reach a row's arithmetic within one item.
+//
+// The default kernel also splits a request's keys into ranges when the batch alone cannot keep every
+// thread busy (one long request), and merges a row's ranges by their log-sum-exp; the invariant kernel
+// never splits (one range per row, so a row's bits depend on its own query and keys only).
 
-constexpr int64_t kTile = 16;  // keys per tile (one reference-layout block)
+constexpr int64_t kTile = 16;      // keys per tile (one reference-layout block)
 constexpr int64_t kHeadGroup = 4;  // query rows scored together (independent accumulators)
-constexpr int64_t kChunk = 64;  // output columns accumulated in registers
+constexpr int64_t kRowBlock = 64;  // (token, head) rows per work item
+constexpr int64_t kCols = 16;      // output columns per register block of the group update
+constexpr int64_t kMaxRows = (kRowBlock + kHeadGroup - 1) / kHeadGroup * kHeadGroup;
 
 // tile [cnt, width] -> tile_t [width, kTile], zero-padding keys cnt..kTile. A full tile moves 8 x 8 blocks
 // through AVX registers where the CPU has them (an exact copy either way).
@@ -113,182 +133,6 @@ inline void score_tile(const float* q, const float* tile_t, float* scores, int64
   }
 }
 
-// acc[:latent] = alpha * acc + sum_r p[r] * tile[r, :latent], kChunk columns at a time in registers.
-inline void accumulate_tile(const float* p, const float* tile, float* acc, float alpha, int64_t cnt,
-                            int64_t width, int64_t latent) {
-  int64_t c0 = 0;
-  for (; c0 + kChunk <= latent; c0 += kChunk) {
-    float t[kChunk];
-#pragma omp simd
-    for (int64_t c = 0; c < kChunk; ++c) t[c] = acc[c0 + c] * alpha;
-    for (int64_t r = 0; r < cnt; ++r) {
-      const float pr = p[r];
-      const float* kr = tile + r * width + c0;
-#pragma omp simd
-      for (int64_t c = 0; c < kChunk; ++c) t[c] += pr * kr[c];
-    }
-#pragma omp simd
-    for (int64_t c = 0; c < kChunk; ++c) acc[c0 + c] = t[c];
-  }
-  for (int64_t c = c0; c < latent; ++c) {
-    float t = acc[c] * alpha;
-    for (int64_t r = 0; r < cnt; ++r) t += p[r] * tile[r * width + c];
-    acc[c] = t;
-  }
-}
-
-struct Split {
-  int64_t req, begin, end, row0;  // keys [begin, end) of request `req`; workspace rows from row0
-};
-
-template <typename cache_t, typename out_t>
-void mla_decode_impl(const at::Tensor& q, const at::Tensor& cache, const at::Tensor& block_table,
-                     const at::Tensor& seq_lens, const at::Tensor& query_start_loc, double scale,
-                     int64_t window, int64_t latent, at::Tensor& out) {
-  const int64_t num_reqs = seq_lens.size(0), heads = q.size(1), width = q.size(2);
-  const int64_t block_size = cache.size(1), table_width = block_table.size(1);
-  const float* qp = q.data_ptr<float>();
-  const cache_t* cp = cache.data_ptr<cache_t>();
-  const int32_t* table = block_table.data_ptr<int32_t>();
-  const int32_t* lens = seq_lens.data_ptr<int32_t>();
-  const int32_t* qsl = query_start_loc.data_ptr<int32_t>();
-  const int64_t cache_blocks = cache.size(0);
-
-  // Key range of each request: [lo, len), lo > 0 only with a sliding window.
-  std::vector<int64_t> lo(num_reqs), hi(num_reqs);
-  int64_t total_keys = 0;
-  for (int64_t b = 0; b < num_reqs; ++b) {
-    const int64_t n = qsl[b + 1] - qsl[b], len = lens[b];
-    TORCH_CHECK(n >= 0 && n <= len, "mla_decode: request ", b, " has ", n, " query tokens but seq_len ", len);
-    TORCH_CHECK((len + block_size - 1) / block_size <= table_width, "mla_decode: request ", b,
-                " needs more blocks than block_table has columns");
-    hi[b] = len;
-    lo[b] = window > 0 ? std::max<int64_t>(0, len - n - window + 1) : 0;
-    total_keys += n > 0 ? hi[b] - lo[b] : 0;
-  }
-  // Split along the KV so that every thread has work even for one long request: about four splits per
-  // thread over the whole batch, never shorter than four blocks (the merge then costs little).
-  const int64_t threads = at::get_num_threads();
-  const int64_t split_len =
-      std::max<int64_t>(4 * block_size, (total_keys + 4 * threads - 1) / (4 * threads));
-  std::vector<Split> splits;
-  int64_t rows = 0;
-  for (int64_t b = 0; b < num_reqs; ++b) {
-    const int64_t n = qsl[b + 1] - qsl[b];
-    if (n == 0) continue;
-    for (int64_t s = lo[b]; s < hi[b]; s += split_len) {
-      splits.push_back({b, s, std::min(hi[b], s + split_len), rows});
-      rows += n * heads;
-    }
-  }
-  // Workspace: per split and (query, head) row, the running max, the sum of exponentials, and the
-  // unnormalised output. Its size is bounded by the batch's queries times splits, not the context.
-  std::vector<float> m_ws(rows), l_ws(rows), acc_ws(rows * latent);
-
-  at::parallel_for(0, static_cast<int64_t>(splits.size()), 1, [&](int64_t first, int64_t last) {
-    std::vector<float> tile(kTile * width), tile_t(width * kTile), scores;
-    for (int64_t si = first; si < last; ++si) {
-      const Split& sp = splits[si];
-      const int64_t b = sp.req, q0 = qsl[b], n = qsl[b + 1] - q0, len = lens[b], nrows = n * heads;
-      float* m = m_ws.data() + sp.row0;
-      float* l = l_ws.data() + sp.row0;
-      float* acc = acc_ws.data() + sp.row0 * latent;
-      std::fill(m, m + nrows, kNegInf);
-      std::fill(l, l + nrows, 0.f);
-      std::fill(acc, acc + nrows * latent, 0.f);
-      scores.resize(nrows * kTile);
-      const float* qrows = qp + q0 * heads * width;  // this request's (query, head) rows, contiguous
-      for (int64_t j0 = sp.begin; j0 < sp.end;) {
-        const int64_t blk = j0 / block_size, off0 = j0 % block_size;
-        const int64_t cnt = std::min({sp.end - j0, block_size - off0, kTile});
-        const int64_t phys = table[b * table_width + blk];
-        TORCH_CHECK(phys >= 0 && phys < cache_blocks, "mla_decode: block id ", phys, " out of range");
-        // Each cached row is read from memory once, in place, into a float tile (and its transpose).
-        const cache_t* base = cp + (phys * block_size + off0) * width;
-        for (int64_t r = 0; r < cnt; ++r) load_row(base + r * width, tile.data() + r * width, width);
-        transpose_tile(tile.data(), tile_t.data(), cnt, width);
-        score_tile(qrows, tile_t.data(), scores.data(), nrows, width, static_cast<float>(scale));
-        for (int64_t row = 0; row < nrows; ++row) {
-          const int64_t pos = len - n + row / heads;  // the query's position; it sees (pos - window, pos]
-          float* sc = scores.data() + row * kTile;
-          float block_max = kNegInf;
-          for (int64_t r = 0; r < kTile; ++r) {
-            const int64_t j = j0 + r;
-            const bool visible = r < cnt && j <= pos && (window <= 0 || j > pos - window);
-            if (!visible) sc[r] = kNegInf;
-            block_max = std::max(block_max, sc[r]);
-          }
-          if (block_max == kNegInf) continue;
-          const float m_new = std::max(m[row], block_max);
-          const float alpha = std::exp(m[row] - m_new);  // 0 when m was -inf
-          float lsum = l[row] * alpha;
-#pragma omp simd reduction(+ : lsum)
-          for (int64_t r = 0; r < kTile; ++r) {
-            sc[r] = fast_exp(sc[r] - m_new);  // 0 for hidden keys (-inf) and for the padding past cnt
-            lsum += sc[r];
-          }
-          l[row] = lsum;
-          m[row] = m_new;
-          accumulate_tile(sc, tile.data(), acc + row * latent, alpha, cnt, width, latent);
-        }
-        j0 += cnt;
-      }
-    }
-  });
-
-  // Merge the splits of each request with their log-sum-exp weights; one output row per (token, head).
-  std::vector<int64_t> first_split(num_reqs + 1, static_cast<int64_t>(splits.size()));
-  for (int64_t si = static_cast<int64_t>(splits.size()) - 1; si >= 0; --si) first_split[splits[si].req] = si;
-  for (int64_t b = num_reqs - 1; b >= 0; --b)
-    if (first_split[b] == static_cast<int64_t>(splits.size())) first_split[b] = first_split[b + 1];
-  out_t* op = out.data_ptr<out_t>();
-  at::parallel_for(0, num_reqs, 1, [&](int64_t first, int64_t last) {
-    std::vector<float> merged(latent);
-    for (int64_t b = first; b < last; ++b) {
-      const int64_t q0 = qsl[b], nrows = (qsl[b + 1] - q0) * heads;
-      const int64_t s0 = first_split[b], s1 = first_split[b + 1];
-      for (int64_t row = 0; row < nrows; ++row) {
-        float m_all = kNegInf;
-        for (int64_t s = s0; s < s1; ++s) m_all = std::max(m_all, m_ws[splits[s].row0 + row]);
-        std::fill(merged.begin(), merged.end(), 0.f);
-        float denom = 0.f;
-        if (m_all != kNegInf) {
-          for (int64_t s = s0; s < s1; ++s) {
-            const int64_t r = splits[s].row0 + row;
-            if (m_ws[r] == kNegInf) continue;
-            const float w = std::exp(m_ws[r] - m_all);
-            denom += w * l_ws[r];
-            const float* a = acc_ws.data() + r * latent;
-#pragma omp simd
-            for (int64_t c = 0; c < latent; ++c) merged[c] += w * a[c];
-          }
-        }
-        const float inv = denom > 0.f ? 1.f / denom : 0.f;
-#pragma omp simd
-        for (int64_t c = 0; c < latent; ++c) merged[c] *= inv;
-        store_row(merged.data(), op + (q0 * heads + row) * latent, latent);
-      }
-    }
-  });
-}
-
-// ------------------------------------------------------------------------ batch-invariant MLA attention
-
-// Deterministic mode's attention: a query row's bits depend only on its own query and the keys it sees
-// (positions <= its own, inside its window), never on the other rows of the call. Each row runs one
-// online softmax over key tiles at fixed positions (cut every kTile keys from position 0, and at cache
-// block boundaries), in ascending order, from the first tile holding a key it sees to the one holding its
-// own position. Rows are processed kHeadGroup at a time (a zero-padded group, so every row goes through
-// the same code whatever its group and the call's size): scores of the group against a tile, then per
-// row the tile's maximum over its visible keys and exp, then one update of the group's outputs over all
-// kTile keys, a key the row does not see weighing exactly 0 (adding 0 x a finite key changes no bit; a
-// row that sees no key of the tile keeps its state, scaled by exactly 1). Work items are blocks of
-// kRowBlock consecutive (token, head) rows of one request, sharing each transposed tile; items share
-// nothing, so how the batch is cut and the thread count never reach the arithmetic. No split along the
-// KV: one request's rows are parallel only across blocks.
-constexpr int64_t kRowBlock = 64;  // (token, head) rows per work item
-constexpr int64_t kCols = 16;  // output columns per register block of the group update
-
 // acc[g][:latent] = alpha[g] * acc[g] + sum_r p[g][r] * tile[r, :latent] for the kHeadGroup rows of a group,
 // every (row, column) summed over r = 0..kTile-1 in order; tile rows past the tile's keys are zero.
 inline void accumulate_group(const float* p, const float* tile, float* acc, const float* alpha, int64_t width,
@@ -321,125 +165,234 @@ inline void accumulate_group(const float* p, const float* tile, float* acc, cons
     }
 }
 
-template <typename cache_t, typename out_t>
-void mla_attention_invariant_impl(const at::Tensor& q, const at::Tensor& cache, const at::Tensor& block_table,
-                                  const at::Tensor& seq_lens, const at::Tensor& query_start_loc, double scale,
-                                  int64_t window, int64_t latent, at::Tensor& out) {
-  const int64_t num_reqs = seq_lens.size(0), heads = q.size(1), width = q.size(2);
-  const int64_t block_size = cache.size(1), table_width = block_table.size(1);
-  const float* qp = q.data_ptr<float>();
-  const cache_t* cp = cache.data_ptr<cache_t>();
-  const int32_t* table = block_table.data_ptr<int32_t>();
-  const int32_t* lens = seq_lens.data_ptr<int32_t>();
-  const int32_t* qsl = query_start_loc.data_ptr<int32_t>();
-  const int64_t cache_blocks = cache.size(0);
-  struct Item {
-    int64_t req, row0, rows;  // rows [row0, row0 + rows) of request `req`'s (token, head) rows
-  };
-  std::vector<Item> items;
-  for (int64_t b = 0; b < num_reqs; ++b) {
-    const int64_t n = qsl[b + 1] - qsl[b], len = lens[b];
-    TORCH_CHECK(n >= 0 && n <= len, "mla_decode: request ", b, " has ", n, " query tokens but seq_len ", len);
-    TORCH_CHECK((len + block_size - 1) / block_size <= table_width, "mla_decode: request ", b,
-                " needs more blocks than block_table has columns");
-    for (int64_t r0 = 0; r0 < n * heads; r0 += kRowBlock)
-      items.push_back({b, r0, std::min(kRowBlock, n * heads - r0)});
+// Rows [row0, row0 + rows) of request `req`'s (token, head) rows against its keys [key_lo, key_hi).
+struct Work {
+  int64_t req, row0, rows, key_lo, key_hi;
+};
+
+// What one work item leaves: per padded row, the running max m, the sum of exponentials l and the
+// unnormalised output acc [latent]; padding rows (past `rows`) are computed and never read.
+struct RowState {
+  std::vector<float> m, l, acc;
+  explicit RowState(int64_t latent) : m(kMaxRows), l(kMaxRows), acc(kMaxRows * latent) {}
+};
+
+// The operands every work item of a call reads.
+template <typename cache_t>
+struct Operands {
+  const float* q;  // [T, H, width] float32, contiguous
+  const cache_t* cache;
+  const int32_t* table;
+  const int32_t* lens;
+  const int32_t* qsl;
+  int64_t heads, width, latent, block_size, table_width, cache_blocks, window;
+  float scale;
+};
+
+// Per-thread buffers of attend().
+struct Scratch {
+  std::vector<float> tile, tile_t, qblock;
+  std::vector<int64_t> pos, from;
+  explicit Scratch(int64_t width)
+      : tile(kTile * width), tile_t(width * kTile), qblock(kMaxRows * width), pos(kMaxRows), from(kMaxRows) {}
+};
+
+template <typename cache_t>
+void attend(const Operands<cache_t>& o, const Work& w, Scratch& s, RowState& st) {
+  const int64_t b = w.req, n = o.qsl[b + 1] - o.qsl[b], len = o.lens[b], width = o.width, latent = o.latent;
+  const int64_t padded = (w.rows + kHeadGroup - 1) / kHeadGroup * kHeadGroup;
+  const float* qrows = o.q + (o.qsl[b] * o.heads + w.row0) * width;
+  std::copy(qrows, qrows + w.rows * width, s.qblock.begin());
+  std::fill(s.qblock.begin() + w.rows * width, s.qblock.begin() + padded * width, 0.f);
+  int64_t lo = w.key_hi, hi = w.key_lo;  // keys some row of the block sees: [lo, hi)
+  for (int64_t row = 0; row < padded; ++row) {
+    // Padding rows take the block's last row's position: they see keys, and are never stored.
+    const int64_t p = len - n + (w.row0 + std::min(row, w.rows - 1)) / o.heads;  // sees (p - window, p]
+    s.pos[row] = std::min(p, w.key_hi - 1);
+    s.from[row] = std::max(o.window > 0 ? std::max<int64_t>(0, p - o.window + 1) : 0, w.key_lo);
+    if (s.from[row] <= s.pos[row]) {
+      lo = std::min(lo, s.from[row]);
+      hi = std::max(hi, s.pos[row] + 1);
+    }
   }
-  const float fscale = static_cast<float>(scale);
-  out_t* op = out.data_ptr<out_t>();
-  at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t first, int64_t last) {
-    constexpr int64_t kMaxRows = (kRowBlock + kHeadGroup - 1) / kHeadGroup * kHeadGroup;
-    std::vector<float> tile(kTile * width), tile_t(width * kTile), qblock(kMaxRows * width);
-    std::vector<float> m(kMaxRows), l(kMaxRows), acc(kMaxRows * latent);
-    std::vector<int64_t> pos(kMaxRows), from(kMaxRows);
-    float sc[kHeadGroup * kTile], alpha[kHeadGroup];
-    for (int64_t it = first; it < last; ++it) {
-      const Item& item = items[it];
-      const int64_t b = item.req, n = qsl[b + 1] - qsl[b], len = lens[b];
-      const int64_t padded = (item.rows + kHeadGroup - 1) / kHeadGroup * kHeadGroup;
-      const float* qrows = qp + (qsl[b] * heads + item.row0) * width;
-      std::copy(qrows, qrows + item.rows * width, qblock.begin());
-      std::fill(qblock.begin() + item.rows * width, qblock.begin() + padded * width, 0.f);
-      int64_t lo = len, hi = 0;  // keys the block sees: [lo, hi)
-      for (int64_t row = 0; row < padded; ++row) {
-        // Padding rows take the block's last row's position: they see keys, and are never stored.
-        pos[row] = len - n + (item.row0 + std::min(row, item.rows - 1)) / heads;
-        from[row] = window > 0 ? std::max<int64_t>(0, pos[row] - window + 1) : 0;  // first visible key
-        lo = std::min(lo, from[row]);
-        hi = std::max(hi, pos[row] + 1);
-      }
-      std::fill(m.begin(), m.begin() + padded, kNegInf);
-      std::fill(l.begin(), l.begin() + padded, 0.f);
-      std::fill(acc.begin(), acc.begin() + padded * latent, 0.f);
-      for (int64_t j0 = lo / kTile * kTile; j0 < hi;) {
-        const int64_t blk = j0 / block_size, off0 = j0 % block_size;
-        const int64_t cnt = std::min({hi - j0, block_size - off0, kTile - j0 % kTile});
-        const int64_t phys = table[b * table_width + blk];
-        TORCH_CHECK(phys >= 0 && phys < cache_blocks, "mla_decode: block id ", phys, " out of range");
-        const cache_t* base = cp + (phys * block_size + off0) * width;
-        for (int64_t r = 0; r < cnt; ++r) load_row(base + r * width, tile.data() + r * width, width);
-        std::fill(tile.begin() + cnt * width, tile.end(), 0.f);
-        if (j0 + cnt < hi) {  // the next tile's rows, while this one is computed
-          const int64_t next = table[b * table_width + (j0 + cnt) / block_size];
-          if (next >= 0 && next < cache_blocks) {
-            const char* nb = reinterpret_cast<const char*>(cp + (next * block_size + (j0 + cnt) % block_size) * width);
-            for (int64_t byte = 0; byte < kTile * width * static_cast<int64_t>(sizeof(cache_t)); byte += 64)
-              __builtin_prefetch(nb + byte);
-          }
-        }
-        transpose_tile(tile.data(), tile_t.data(), kTile, width);  // the zero rows too: one full tile
-        for (int64_t g0 = 0; g0 < padded; g0 += kHeadGroup) {
-          bool any = false;  // does a row of the group see a key of this tile?
-          bool whole = cnt == kTile;  // ... does every row of the group see all its keys?
-          for (int64_t g = 0; g < kHeadGroup; ++g) {
-            any |= pos[g0 + g] >= j0 && from[g0 + g] < j0 + cnt;
-            whole &= pos[g0 + g] >= j0 + kTile - 1 && from[g0 + g] <= j0;
-          }
-          if (!any) continue;
-          score_tile(qblock.data() + g0 * width, tile_t.data(), sc, kHeadGroup, width, fscale);
-          for (int64_t g = 0; g < kHeadGroup; ++g) {
-            const int64_t row = g0 + g, p = pos[row], f = from[row];
-            float* s = sc + g * kTile;
-            float tile_max = kNegInf;  // a maximum: the same in any order, so both branches agree
-            if (whole) {
-#pragma omp simd reduction(max : tile_max)
-              for (int64_t r = 0; r < kTile; ++r) tile_max = std::max(tile_max, s[r]);
-            } else {
-              for (int64_t r = 0; r < kTile; ++r) {
-                const int64_t j = j0 + r;
-                if (!(r < cnt && j <= p && j >= f)) s[r] = kNegInf;
-                tile_max = std::max(tile_max, s[r]);
-              }
-            }
-            if (tile_max == kNegInf) {  // nothing visible: the state stays, bit for bit
-              alpha[g] = 1.f;
-              std::fill(s, s + kTile, 0.f);
-              continue;
-            }
-            const float m_new = std::max(m[row], tile_max);
-            alpha[g] = std::exp(m[row] - m_new);  // 0 when m was -inf
-            float lsum = l[row] * alpha[g];
-#pragma omp simd reduction(+ : lsum)
-            for (int64_t r = 0; r < kTile; ++r) {
-              s[r] = fast_exp(s[r] - m_new);  // 0 for hidden keys (-inf) and the padding past cnt
-              lsum += s[r];
-            }
-            l[row] = lsum;
-            m[row] = m_new;
-          }
-          accumulate_group(sc, tile.data(), acc.data() + g0 * latent, alpha, width, latent);
-        }
-        j0 += cnt;
-      }
-      for (int64_t row = 0; row < item.rows; ++row) {
-        float* a = acc.data() + row * latent;
-        const float inv = l[row] > 0.f ? 1.f / l[row] : 0.f;
-#pragma omp simd
-        for (int64_t c = 0; c < latent; ++c) a[c] *= inv;
-        store_row(a, op + (qsl[b] * heads + item.row0 + row) * latent, latent);
+  std::fill(st.m.begin(), st.m.begin() + padded, kNegInf);
+  std::fill(st.l.begin(), st.l.begin() + padded, 0.f);
+  std::fill(st.acc.begin(), st.acc.begin() + padded * latent, 0.f);
+  const cache_t* row_table = nullptr;
+  float sc[kHeadGroup * kTile], alpha[kHeadGroup];
+  for (int64_t j0 = lo / kTile * kTile; j0 < hi;) {
+    const int64_t blk = j0 / o.block_size, off0 = j0 % o.block_size;
+    const int64_t cnt = std::min({hi - j0, o.block_size - off0, kTile - j0 % kTile});
+    const int64_t phys = o.table[b * o.table_width + blk];
+    TORCH_CHECK(phys >= 0 && phys < o.cache_blocks, "mla_decode: block id ", phys, " out of range");
+    row_table = o.cache + (phys * o.block_size + off0) * width;
+    const float* tile;
+    if (std::is_same_v<cache_t, float> && cnt == kTile) {
+      tile = reinterpret_cast<const float*>(row_table);  // read in place
+    } else {
+      for (int64_t r = 0; r < cnt; ++r) load_row(row_table + r * width, s.tile.data() + r * width, width);
+      std::fill(s.tile.begin() + cnt * width, s.tile.end(), 0.f);
+      tile = s.tile.data();
+    }
+    if (j0 + cnt < hi) {  // the next tile's rows, while this one is computed
+      const int64_t next = o.table[b * o.table_width + (j0 + cnt) / o.block_size];
+      if (next >= 0 && next < o.cache_blocks) {
+        const char* nb =
+            reinterpret_cast<const char*>(o.cache + (next * o.block_size + (j0 + cnt) % o.block_size) * width);
+        for (int64_t byte = 0; byte < kTile * width * static_cast<int64_t>(sizeof(cache_t)); byte += 64)
+          __builtin_prefetch(nb + byte);
       }
     }
+    transpose_tile(tile, s.tile_t.data(), kTile, width);  // the zero rows too: one full tile
+    for (int64_t g0 = 0; g0 < padded; g0 += kHeadGroup) {
+      bool any = false;           // does a row of the group see a key of this tile?
+      bool whole = cnt == kTile;  // ... does every row of the group see all its keys?
+      for (int64_t g = 0; g < kHeadGroup; ++g) {
+        any |= s.pos[g0 + g] >= j0 && s.from[g0 + g] < j0 + cnt && s.from[g0 + g] <= s.pos[g0 + g];
+        whole &= s.pos[g0 + g] >= j0 + kTile - 1 && s.from[g0 + g] <= j0;
+      }
+      if (!any) continue;
+      score_tile(s.qblock.data() + g0 * width, s.tile_t.data(), sc, kHeadGroup, width, o.scale);
+      for (int64_t g = 0; g < kHeadGroup; ++g) {
+        const int64_t row = g0 + g, p = s.pos[row], f = s.from[row];
+        float* x = sc + g * kTile;
+        if (!whole)  // hidden keys first: a maximum is the same in any order, so both branches agree
+          for (int64_t r = 0; r < kTile; ++r) {
+            const int64_t j = j0 + r;
+            if (!(r < cnt && j <= p && j >= f)) x[r] = kNegInf;
+          }
+        const float tile_max = max_of(x, kTile);
+        if (tile_max == kNegInf) {  // nothing visible: the state stays, bit for bit
+          alpha[g] = 1.f;
+          std::fill(x, x + kTile, 0.f);
+          continue;
+        }
+        const float m_new = std::max(st.m[row], tile_max);
+        alpha[g] = std::exp(st.m[row] - m_new);  // 0 when m was -inf
+        // 0 for hidden keys (-inf) and the padding past cnt
+        st.l[row] = st.l[row] * alpha[g] + deepinfer_cpu::exp_shift_sum(x, kTile, m_new);
+        st.m[row] = m_new;
+      }
+      accumulate_group(sc, tile, st.acc.data() + g0 * latent, alpha, width, latent);
+    }
+    j0 += cnt;
+  }
+}
+
+// Work items of a call: every request's rows in blocks of kRowBlock, each against its visible keys cut
+// into `splits` ranges (1 for the invariant kernel) whose boundaries are multiples of kTile.
+template <typename cache_t>
+std::vector<Work> work_items(const Operands<cache_t>& o, int64_t num_reqs, bool invariant) {
+  std::vector<Work> items;
+  int64_t total_keys = 0, blocks = 0;
+  for (int64_t b = 0; b < num_reqs; ++b) {
+    const int64_t n = o.qsl[b + 1] - o.qsl[b], len = o.lens[b];
+    TORCH_CHECK(n >= 0 && n <= len, "mla_decode: request ", b, " has ", n, " query tokens but seq_len ", len);
+    TORCH_CHECK((len + o.block_size - 1) / o.block_size <= o.table_width, "mla_decode: request ", b,
+                " needs more blocks than block_table has columns");
+    if (n == 0) continue;
+    total_keys += len;
+    blocks += (n * o.heads + kRowBlock - 1) / kRowBlock;
+  }
+  // Keys per range: enough ranges that every thread has about four items even for one long request, none
+  // shorter than four tiles (the merge then costs little).
+  const int64_t want = 4 * at::get_num_threads();
+  int64_t split_len = std::numeric_limits<int64_t>::max();
+  if (!invariant && blocks > 0 && blocks < want) {
+    const int64_t per = (total_keys * blocks + want - 1) / want;  // keys per item if spread evenly
+    split_len = std::max<int64_t>(4 * kTile, (per + kTile - 1) / kTile * kTile);
+  }
+  for (int64_t b = 0; b < num_reqs; ++b) {
+    const int64_t n = o.qsl[b + 1] - o.qsl[b], len = o.lens[b];
+    if (n == 0) continue;
+    const int64_t first = o.window > 0 ? std::max<int64_t>(0, len - n - o.window + 1) : 0;
+    for (int64_t r0 = 0; r0 < n * o.heads; r0 += kRowBlock) {
+      const int64_t rows = std::min(kRowBlock, n * o.heads - r0);
+      if (split_len >= len - first) {
+        items.push_back({b, r0, rows, first, len});
+        continue;
+      }
+      for (int64_t k0 = first; k0 < len;) {
+        const int64_t k1 = std::min(len, (k0 + split_len + kTile - 1) / kTile * kTile);
+        items.push_back({b, r0, rows, k0, k1});
+        k0 = k1;
+      }
+    }
+  }
+  return items;
+}
+
+template <typename out_t>
+void store_normalised(const RowState& st, int64_t rows, int64_t latent, out_t* dst) {
+  std::vector<float> row(latent);
+  for (int64_t r = 0; r < rows; ++r) {
+    const float inv = st.l[r] > 0.f ? 1.f / st.l[r] : 0.f;
+    const float* a = st.acc.data() + r * latent;
+#pragma omp simd
+    for (int64_t c = 0; c < latent; ++c) row[c] = a[c] * inv;
+    store_row(row.data(), dst + r * latent, latent);
+  }
+}
+
+template <typename cache_t, typename out_t>
+void mla_attention_impl(const Operands<cache_t>& o, int64_t num_reqs, bool invariant, out_t* out) {
+  const std::vector<Work> items = work_items(o, num_reqs, invariant);
+  const int64_t count = static_cast<int64_t>(items.size()), latent = o.latent;
+  // Items that share a row block (a split request) keep their states for the merge; others store at once.
+  std::vector<char> split(count, 0);
+  for (int64_t i = 0; i < count; ++i)
+    split[i] = (i > 0 && items[i - 1].req == items[i].req && items[i - 1].row0 == items[i].row0) ||
+               (i + 1 < count && items[i + 1].req == items[i].req && items[i + 1].row0 == items[i].row0);
+  std::vector<RowState> kept;
+  std::vector<int64_t> kept_of(count, -1);
+  for (int64_t i = 0; i < count; ++i)
+    if (split[i]) {
+      kept_of[i] = static_cast<int64_t>(kept.size());
+      kept.emplace_back(latent);
+    }
+  at::parallel_for(0, count, 1, [&](int64_t first, int64_t last) {
+    Scratch scratch(o.width);
+    RowState own(latent);
+    for (int64_t i = first; i < last; ++i) {
+      const Work& w = items[i];
+      RowState& st = split[i] ? kept[kept_of[i]] : own;
+      attend(o, w, scratch, st);
+      if (!split[i]) store_normalised(st, w.rows, latent, out + (o.qsl[w.req] * o.heads + w.row0) * latent);
+    }
   });
+  if (kept.empty()) return;
+  // Merge each split row block's ranges with their log-sum-exp weights, in range order.
+  std::vector<float> merged(latent);
+  for (int64_t i = 0; i < count;) {
+    if (!split[i]) {
+      ++i;
+      continue;
+    }
+    int64_t j = i;
+    while (j < count && items[j].req == items[i].req && items[j].row0 == items[i].row0) ++j;
+    const Work& w = items[i];
+    RowState total(latent);
+    for (int64_t row = 0; row < w.rows; ++row) {
+      float m_all = kNegInf;
+      for (int64_t k = i; k < j; ++k) m_all = std::max(m_all, kept[kept_of[k]].m[row]);
+      std::fill(merged.begin(), merged.end(), 0.f);
+      float denom = 0.f;
+      if (m_all != kNegInf)
+        for (int64_t k = i; k < j; ++k) {
+          const RowState& st = kept[kept_of[k]];
+          if (st.m[row] == kNegInf) continue;
+          const float weight = std::exp(st.m[row] - m_all);
+          denom += weight * st.l[row];
+          const float* a = st.acc.data() + row * latent;
+#pragma omp simd
+          for (int64_t c = 0; c < latent; ++c) merged[c] += weight * a[c];
+        }
+      total.l[row] = denom;
+      std::copy(merged.begin(), merged.end(), total.acc.begin() + row * latent);
+    }
+    store_normalised(total, w.rows, latent, out + (o.qsl[w.req] * o.heads + w.row0) * latent);
+    i = j;
+  }
 }
 
 // The checks and operand preparation both attention kernels share; `invariant` picks the schedule.
@@ -455,18 +408,21 @@ at::Tensor mla_attention(const at::Tensor& q_nope, const at::Tensor& q_pe, const
                   query_start_loc.scalar_type() == at::kInt,
               "mla_decode: block_table, seq_lens and query_start_loc must be int32");
   TORCH_CHECK(query_start_loc.size(0) == seq_lens.size(0) + 1, "mla_decode: query_start_loc must be [B+1]");
+  TORCH_CHECK(q_pe.size(0) == q_nope.size(0) && q_pe.size(1) == q_nope.size(1),
+              "mla_decode: q_nope and q_pe must have the same tokens and heads");
   const at::Tensor q = at::cat({q_nope, q_pe}, -1).to(at::kFloat).contiguous();
   const at::Tensor table = block_table.contiguous(), lens = seq_lens.contiguous();
   const at::Tensor qsl = query_start_loc.contiguous();
-  TORCH_CHECK(qsl[-1].item<int64_t>() == q.size(0), "mla_decode: query_start_loc[-1] != number of tokens");
+  const int32_t* qsl_p = qsl.data_ptr<int32_t>();
+  TORCH_CHECK(qsl_p[seq_lens.size(0)] == q.size(0), "mla_decode: query_start_loc[-1] != number of tokens");
   at::Tensor out = at::empty({q.size(0), q.size(1), latent}, q_nope.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, cache.scalar_type(), "mla_decode_cache", [&] {
     using cache_t = scalar_t;
+    const Operands<cache_t> operands{q.data_ptr<float>(), cache.data_ptr<cache_t>(), table.data_ptr<int32_t>(),
+                                     lens.data_ptr<int32_t>(), qsl_p, q.size(1), q.size(2), latent, cache.size(1),
+                                     table.size(1), cache.size(0), window, static_cast<float>(scale)};
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, out.scalar_type(), "mla_decode_out", [&] {
-      if (invariant)
-        mla_attention_invariant_impl<cache_t, scalar_t>(q, cache, table, lens, qsl, scale, window, latent, out);
-      else
-        mla_decode_impl<cache_t, scalar_t>(q, cache, table, lens, qsl, scale, window, latent, out);
+      mla_attention_impl(operands, seq_lens.size(0), invariant, out.data_ptr<scalar_t>());
     });
   });
   return out;
@@ -585,38 +541,16 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::T
 // silu(gate) * up for x = [gate | up] rows [rows, 2I] -> [rows, I], in float32: each row in blocks of 16
 // elements through a local buffer, so every element is computed by the same vector code (no scalar tail,
 // no alignment peeling) whatever the row's place in the batch or the thread that runs it.
-template <typename T>
-void silu_mul_rows(const T* x, T* out, int64_t rows, int64_t inter) {
-  constexpr int64_t kBlock = 16;
-  at::parallel_for(0, rows, grain_for(2 * inter), [&](int64_t first, int64_t last) {
-    for (int64_t r = first; r < last; ++r) {
-      const T* gate = x + r * 2 * inter;
-      const T* up = gate + inter;
-      for (int64_t i0 = 0; i0 < inter; i0 += kBlock) {
-        const int64_t n = std::min(kBlock, inter - i0);
-        float g[kBlock] = {}, u[kBlock] = {}, o[kBlock];
-        for (int64_t i = 0; i < n; ++i) {
-          g[i] = static_cast<float>(gate[i0 + i]);
-          u[i] = static_cast<float>(up[i0 + i]);
-        }
-#pragma omp simd
-        for (int64_t i = 0; i < kBlock; ++i) o[i] = g[i] / (1.f + fast_exp(-g[i])) * u[i];
-        for (int64_t i = 0; i < n; ++i) out[r * inter + i0 + i] = static_cast<T>(o[i]);
-      }
-    }
-  });
-}
-
-at::Tensor silu_and_mul_invariant(const at::Tensor& x) {
+at::Tensor silu_and_mul(const at::Tensor& x) {
   TORCH_CHECK(x.dim() >= 1 && x.size(-1) % 2 == 0, "silu_and_mul: the last dimension must be even");
   const int64_t inter = x.size(-1) / 2;
   const at::Tensor xc = x.contiguous();
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
   shape.back() = inter;
   at::Tensor out = at::empty(shape, x.options());
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "silu_and_mul", [&] {
-    silu_mul_rows(xc.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), xc.numel() / std::max<int64_t>(1, 2 * inter),
-                  inter);
+  DEEPINFER_DISPATCH_WEIGHTS(x.scalar_type(), "silu_and_mul", [&] {
+    deepinfer_cpu::silu_mul_rows(xc.data_ptr<scalar_t>(), 2 * inter, out.data_ptr<scalar_t>(), inter,
+                                 xc.numel() / std::max<int64_t>(1, 2 * inter), inter);
   });
   return out;
 }
@@ -676,7 +610,7 @@ TORCH_LIBRARY(deepinfer_cpu, m) {
   m.def("kv_cache_write(Tensor kv_c, Tensor k_pe, Tensor(a!) cache, Tensor slot_mapping) -> ()");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)");
-  m.def("silu_and_mul_invariant(Tensor x) -> Tensor");
+  m.def("silu_and_mul(Tensor x) -> Tensor");
   m.def("rope(Tensor q, Tensor k, Tensor positions, Tensor cos_sin_cache, bool interleaved) -> (Tensor, Tensor)");
 }
 
@@ -686,6 +620,6 @@ TORCH_LIBRARY_IMPL(deepinfer_cpu, CPU, m) {
   m.impl("kv_cache_write", &kv_cache_write);
   m.impl("rms_norm", &rms_norm);
   m.impl("add_rms_norm", &add_rms_norm);
-  m.impl("silu_and_mul_invariant", &silu_and_mul_invariant);
+  m.impl("silu_and_mul", &silu_and_mul);
   m.impl("rope", &rope);
 }

@@ -5,9 +5,9 @@
 //
 // fused_moe / grouped_gemm read every expert's weights in place. An expert's rows are computed one of two
 // ways, chosen per expert by its row count against `mm_rows`:
-// - few rows (decode): a register-blocked dot-product kernel. Work items are (expert, block of output
-//   columns), so both threads share even one token's four experts; each weight row is read once, cast to
-//   float32 once, and dotted with up to four of the expert's rows at a time in float32.
+// - few rows (decode): the skinny products of skinny.h on the expert's gathered float32 rows. Work items
+//   are (expert, block of output columns), so both threads share even one token's four experts; each
+//   weight element is read once per four rows, widened to float32 in registers.
 // - many rows (prefill, large batches): the expert's rows are gathered and multiplied by at::mm against
 //   the expert's weight slice (no weight copy; MKL's own threads), one call per matrix.
 // The per-pair expert outputs (float32) are combined per token in the order of its k slots.
@@ -20,6 +20,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <optional>
 #include <string>
@@ -27,11 +28,9 @@
 #include <utility>
 #include <vector>
 
+#include "activation.h"
 #include "common.h"
-
-#ifdef __AVX2__
-#include <immintrin.h>
-#endif
+#include "skinny.h"
 
 namespace {
 
@@ -173,90 +172,9 @@ std::tuple<at::Tensor, at::Tensor> moe_route(const at::Tensor& router_logits,
 
 // --------------------------------------------------------------------------- small-row expert GEMM
 
-constexpr int64_t kRowBlock = 4;   // rows dotted with each pair of loaded weight rows
+using deepinfer_cpu::skinny_product;
+
 constexpr int64_t kColBlock = 16;  // output columns per work item
-
-#ifdef __AVX2__
-inline float horizontal_sum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_hadd_ps(s, s);
-  return _mm_cvtss_f32(_mm_hadd_ps(s, s));
-}
-#endif
-
-// out[c * ldo + r] = w[c] . x[r] for NC weight rows and NR rows over n elements, in float32: NC x NR
-// accumulators of 8 lanes, so each loaded weight vector serves NR rows and each row vector NC weights.
-template <int NC, int NR>
-inline void dot_block(const float* const* w, const float* const* x, float* out, int64_t ldo, int64_t n) {
-#ifdef __AVX2__
-  __m256 acc[NC][NR];
-  for (int c = 0; c < NC; ++c)
-    for (int r = 0; r < NR; ++r) acc[c][r] = _mm256_setzero_ps();
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8) {
-    __m256 wv[NC];
-    for (int c = 0; c < NC; ++c) wv[c] = _mm256_loadu_ps(w[c] + i);
-    for (int r = 0; r < NR; ++r) {
-      const __m256 xv = _mm256_loadu_ps(x[r] + i);
-      for (int c = 0; c < NC; ++c) acc[c][r] = _mm256_fmadd_ps(wv[c], xv, acc[c][r]);
-    }
-  }
-  if (i < n) {  // the last n % 8 elements through masked loads (the masked lanes read nothing)
-    alignas(32) int32_t bits[8];
-    for (int j = 0; j < 8; ++j) bits[j] = i + j < n ? -1 : 0;
-    const __m256i mask = _mm256_load_si256(reinterpret_cast<const __m256i*>(bits));
-    __m256 wv[NC];
-    for (int c = 0; c < NC; ++c) wv[c] = _mm256_maskload_ps(w[c] + i, mask);
-    for (int r = 0; r < NR; ++r) {
-      const __m256 xv = _mm256_maskload_ps(x[r] + i, mask);
-      for (int c = 0; c < NC; ++c) acc[c][r] = _mm256_fmadd_ps(wv[c], xv, acc[c][r]);
-    }
-  }
-  for (int c = 0; c < NC; ++c)
-    for (int r = 0; r < NR; ++r) out[c * ldo + r] = horizontal_sum(acc[c][r]);
-#else
-  for (int c = 0; c < NC; ++c)
-    for (int r = 0; r < NR; ++r) {
-      float s = 0.f;
-#pragma omp simd reduction(+ : s)
-      for (int64_t i = 0; i < n; ++i) s += w[c][i] * x[r][i];
-      out[c * ldo + r] = s;
-    }
-#endif
-}
-
-template <int NC>
-inline void dot_rows_nc(const float* const* w, const float* const* x, int64_t n, int64_t width, float* out,
-                        int64_t ldo) {
-  int64_t r = 0;
-  for (; r + kRowBlock <= n; r += kRowBlock) dot_block<NC, kRowBlock>(w, x + r, out + r, ldo, width);
-  switch (n - r) {
-    case 3: dot_block<NC, 3>(w, x + r, out + r, ldo, width); break;
-    case 2: dot_block<NC, 2>(w, x + r, out + r, ldo, width); break;
-    case 1: dot_block<NC, 1>(w, x + r, out + r, ldo, width); break;
-    default: break;
-  }
-}
-
-// out[c * ldo + r] = w[c] . x[r] for nc (1 or 2) weight rows and all n rows of `width` elements.
-inline void dot_rows(const float* const* w, int nc, const float* const* x, int64_t n, int64_t width, float* out,
-                     int64_t ldo) {
-  if (nc == 2)
-    dot_rows_nc<2>(w, x, n, width, out, ldo);
-  else
-    dot_rows_nc<1>(w, x, n, width, out, ldo);
-}
-
-// The weight row `row` of a [N, K] matrix in T as float32: in place for float, else cast into `buf`.
-template <typename T>
-inline const float* weight_row(const T* w, int64_t row, int64_t width, float* buf) {
-  if constexpr (std::is_same_v<T, float>) {
-    return w + row * width;
-  } else {
-    load_row(w + row * width, buf, width);
-    return buf;
-  }
-}
 
 inline float silu_mul(float gate, float up) { return gate / (1.f + fast_exp(-gate)) * up; }
 
@@ -324,7 +242,7 @@ void fused_moe_impl(const at::Tensor& hidden, const at::Tensor& w13, const at::T
   std::vector<Run> small, large;
   const int64_t most = split_runs(offsets, mm_rows, small, large);
 
-  // float32 copies of what the dot-product kernel reads as rows: hidden (one cast of [T, D]) and the
+  // float32 rows the skinny products read: each small run's tokens gathered (xs, in run order), the
   // activations h [local, I]; the expert outputs y [local, D] of every pair.
   const T* wg = w13.data_ptr<T>();
   const T* wd = w2.data_ptr<T>();
@@ -333,41 +251,34 @@ void fused_moe_impl(const at::Tensor& hidden, const at::Tensor& w13, const at::T
   std::vector<float> h(local * inter), y(local * dim);
 
   if (!small.empty()) {
+    std::vector<float> xs(local * dim);
+    for (const Run& run : small)
+      for (int64_t r = run.begin; r < run.end; ++r)
+        std::memcpy(xs.data() + r * dim, xp + row_token[r] * dim, dim * sizeof(float));
     const std::vector<Item> up_items = column_items(small, inter);
     at::parallel_for(0, static_cast<int64_t>(up_items.size()), 1, [&](int64_t first, int64_t last) {
-      std::vector<float> wbuf(2 * dim), gu(2 * most);
-      std::vector<const float*> x(most);
+      std::vector<float> gate(most * kColBlock), up(most * kColBlock);
       for (int64_t it = first; it < last; ++it) {
         const Item& item = up_items[it];
         const Run& run = small[item.run];
-        const int64_t n = run.end - run.begin;
-        for (int64_t r = 0; r < n; ++r) x[r] = xp + row_token[run.begin + r] * dim;
+        const int64_t n = run.end - run.begin, cols = item.col1 - item.col0;
         const T* we = wg + run.expert * 2 * inter * dim;
-        for (int64_t c = item.col0; c < item.col1; ++c) {  // gate row c and up row I + c together
-          const float* w[2] = {weight_row(we, c, dim, wbuf.data()), weight_row(we, inter + c, dim, wbuf.data() + dim)};
-          dot_rows(w, 2, x.data(), n, dim, gu.data(), most);
-          for (int64_t r = 0; r < n; ++r) h[(run.begin + r) * inter + c] = silu_mul(gu[r], gu[most + r]);
-        }
+        const float* x = xs.data() + run.begin * dim;
+        // gate columns [col0, col1) and up columns I + [col0, col1), into [n, cols] buffers
+        skinny_product(x, dim, n, we + item.col0 * dim, dim, false, dim, 0, cols, gate.data(), cols);
+        skinny_product(x, dim, n, we + (inter + item.col0) * dim, dim, false, dim, 0, cols, up.data(), cols);
+        for (int64_t r = 0; r < n; ++r)
+          for (int64_t c = 0; c < cols; ++c)
+            h[(run.begin + r) * inter + item.col0 + c] = silu_mul(gate[r * cols + c], up[r * cols + c]);
       }
     });
     const std::vector<Item> down_items = column_items(small, dim);
     at::parallel_for(0, static_cast<int64_t>(down_items.size()), 1, [&](int64_t first, int64_t last) {
-      std::vector<float> wbuf(2 * inter), out_c(2 * most);
-      std::vector<const float*> hr(most);
       for (int64_t it = first; it < last; ++it) {
         const Item& item = down_items[it];
         const Run& run = small[item.run];
-        const int64_t n = run.end - run.begin;
-        for (int64_t r = 0; r < n; ++r) hr[r] = h.data() + (run.begin + r) * inter;
-        const T* we = wd + run.expert * dim * inter;
-        for (int64_t c = item.col0; c < item.col1; c += 2) {
-          const int nc = c + 1 < item.col1 ? 2 : 1;
-          const float* w[2] = {weight_row(we, c, inter, wbuf.data()),
-                               nc == 2 ? weight_row(we, c + 1, inter, wbuf.data() + inter) : nullptr};
-          dot_rows(w, nc, hr.data(), n, inter, out_c.data(), most);
-          for (int64_t r = 0; r < n; ++r)
-            for (int j = 0; j < nc; ++j) y[(run.begin + r) * dim + c + j] = out_c[j * most + r];
-        }
+        skinny_product(h.data() + run.begin * inter, inter, run.end - run.begin, wd + run.expert * dim * inter,
+                       inter, false, inter, item.col0, item.col1, y.data() + run.begin * dim, dim);
       }
     });
   }
@@ -377,15 +288,8 @@ void fused_moe_impl(const at::Tensor& hidden, const at::Tensor& w13, const at::T
     const at::Tensor tok = at::from_blob(row_token.data() + run.begin, {n}, at::TensorOptions().dtype(at::kLong));
     const at::Tensor gate_up = at::mm(hidden.index_select(0, tok), w13[run.expert].t());
     const at::Tensor gu = gate_up.to(at::kFloat);
-    const float* gp = gu.data_ptr<float>();
     float* hp = h.data() + run.begin * inter;
-    at::parallel_for(0, n, std::max<int64_t>(1, 8192 / inter), [&](int64_t first, int64_t last) {
-      for (int64_t r = first; r < last; ++r) {
-#pragma omp simd
-        for (int64_t c = 0; c < inter; ++c)
-          hp[r * inter + c] = silu_mul(gp[r * 2 * inter + c], gp[r * 2 * inter + inter + c]);
-      }
-    });
+    deepinfer_cpu::silu_mul_rows(gu.data_ptr<float>(), 2 * inter, hp, inter, n, inter);
     const at::Tensor act = float_rows(hp, n, inter);
     at::Tensor dst = float_rows(y.data() + run.begin * dim, n, dim);
     if constexpr (std::is_same_v<T, float>)
@@ -430,7 +334,7 @@ at::Tensor fused_moe(const at::Tensor& hidden, const at::Tensor& w13, const at::
   const at::Tensor weights = topk_weights.to(at::kFloat).contiguous();
   const at::Tensor ids = topk_ids.to(at::kLong).contiguous();
   at::Tensor out = at::empty({tokens, dim}, hidden.options());
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, hidden.scalar_type(), "fused_moe", [&] {
+  DEEPINFER_DISPATCH_WEIGHTS(hidden.scalar_type(), "fused_moe", [&] {
     fused_moe_impl<scalar_t>(x, a, b, weights.data_ptr<float>(), ids.data_ptr<int64_t>(), topk_ids.size(1),
                              mm_rows, out);
   });
@@ -450,28 +354,22 @@ void grouped_gemm_impl(const at::Tensor& x, const at::Tensor& weight, const std:
     at::mm_out(dst, x.narrow(0, run.begin, run.end - run.begin), weight[run.expert].t());
   }
   if (small.empty()) return;
-  const at::Tensor xf = x.to(at::kFloat);
+  const at::Tensor xf = x.to(at::kFloat).contiguous();
   const float* xp = xf.data_ptr<float>();
   const T* wp = weight.data_ptr<T>();
   T* op = out.data_ptr<T>();
   const std::vector<Item> items = column_items(small, cols);
   at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t first, int64_t last) {
-    std::vector<float> wbuf(2 * k), out_c(2 * most);
-    std::vector<const float*> rows(most);
+    std::vector<float> block(most * kColBlock);
     for (int64_t it = first; it < last; ++it) {
       const Item& item = items[it];
       const Run& run = small[item.run];
-      const int64_t n = run.end - run.begin;
-      for (int64_t r = 0; r < n; ++r) rows[r] = xp + (run.begin + r) * k;
-      const T* we = wp + run.expert * cols * k;
-      for (int64_t c = item.col0; c < item.col1; c += 2) {
-        const int nc = c + 1 < item.col1 ? 2 : 1;
-        const float* w[2] = {weight_row(we, c, k, wbuf.data()),
-                             nc == 2 ? weight_row(we, c + 1, k, wbuf.data() + k) : nullptr};
-        dot_rows(w, nc, rows.data(), n, k, out_c.data(), most);
-        for (int64_t r = 0; r < n; ++r)
-          for (int j = 0; j < nc; ++j) op[(run.begin + r) * cols + c + j] = static_cast<T>(out_c[j * most + r]);
-      }
+      const int64_t n = run.end - run.begin, width = item.col1 - item.col0;
+      skinny_product(xp + run.begin * k, k, n, wp + (run.expert * cols + item.col0) * k, k, false, k, 0, width,
+                     block.data(), width);
+      for (int64_t r = 0; r < n; ++r)
+        for (int64_t c = 0; c < width; ++c)
+          op[(run.begin + r) * cols + item.col0 + c] = static_cast<T>(block[r * width + c]);
     }
   });
 }
@@ -497,7 +395,7 @@ at::Tensor grouped_gemm(const at::Tensor& x, const at::Tensor& weight, const at:
                     " rows");
   const at::Tensor xc = x.contiguous(), wc = weight.contiguous();
   at::Tensor out = at::empty({x.size(0), weight.size(1)}, x.options());
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "grouped_gemm", [&] {
+  DEEPINFER_DISPATCH_WEIGHTS(x.scalar_type(), "grouped_gemm", [&] {
     grouped_gemm_impl<scalar_t>(xc, wc, offsets, mm_rows, out);
   });
   return out;
