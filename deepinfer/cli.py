@@ -200,7 +200,12 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
         p.add_argument("--output-len", type=int, default=128)
         p.add_argument("--seed", type=int, default=0)
         p.add_argument("--max-num-seqs", type=int, default=256)
-        p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+        p.add_argument(
+            "--max-num-batched-tokens",
+            type=int,
+            default=None,
+            help="token budget of one step (default: the offline engine's 8192; a server's own default)",
+        )
         p.add_argument("--step-time-budget-ms", type=float, default=None)
         p.add_argument(
             "--long-prefill-token-threshold", type=int, default=None, help="fixed prompt chunk size"
@@ -261,7 +266,7 @@ def bench(args: argparse.Namespace) -> int:
     workload = Workload(args.num_requests, tuple(args.input_len_range), args.output_len, args.seed)
     options = {
         "max_num_seqs": args.max_num_seqs,
-        "max_num_batched_tokens": args.max_num_batched_tokens,
+        **({"max_num_batched_tokens": args.max_num_batched_tokens} if args.max_num_batched_tokens else {}),
         "step_time_budget_ms": args.step_time_budget_ms,
         "long_prefill_token_threshold": args.long_prefill_token_threshold,
         "async_scheduling": args.async_scheduling,
@@ -336,12 +341,18 @@ def _bench_serve(args: argparse.Namespace, model: str, workload, options: dict) 
     import contextlib
 
     from deepinfer.bench.serve import compare_offline, launch, run_concurrent, run_load
+    from deepinfer.config import EngineConfig
     from deepinfer.tokenizer import Tokenizer
 
     if args.compare_offline and not args.concurrency:
         raise SystemExit("deepinfer bench serve: error: --compare-offline needs --concurrency (e.g. 64)")
     if args.compare_offline:  # the same workload: offline runs no larger a batch than the clients make
         options = {**options, "max_num_seqs": min(options["max_num_seqs"], args.concurrency)}
+    # The server's step budget on both sides of a comparison (the offline engine's own default is larger).
+    budget = (
+        options.get("max_num_batched_tokens") or EngineConfig.model_fields["max_num_batched_tokens"].default
+    )
+    options = {**options, "max_num_batched_tokens": budget}
 
     prompts = workload.prompts(Tokenizer(model))
     flags = {

@@ -13,17 +13,25 @@ from deepinfer.sampling_params import SamplingParams
 from deepinfer.text_input import require_valid_text
 from deepinfer.tokenizer import Tokenizer
 
+# The offline engine's token budget per step unless one is given: larger than EngineConfig's (a
+# server's, which bounds how long a prompt chunk stalls the decodes beside it), since offline only the
+# total time counts. Fewer, larger prefill steps: 64 requests of 64-1024 prompt tokens ran 1.13x faster
+# end to end at 8192 than at 2048 on 2 cores (bench offline, 3 alternated rounds).
+OFFLINE_MAX_NUM_BATCHED_TOKENS = 8192
+
 
 class LLM:
     """Generate completions for batches of prompts.
 
     ``model`` is a Hugging Face model folder (default: the model shipped with deepinfer); any other
-    keyword is an ``EngineConfig`` field (``dtype``, ``max_model_len``, ``enable_prefix_caching`` ...).
+    keyword is an ``EngineConfig`` field (``dtype``, ``max_model_len``, ``enable_prefix_caching`` ...);
+    ``max_num_batched_tokens`` defaults to ``OFFLINE_MAX_NUM_BATCHED_TOKENS`` here.
     ``data_parallel_size=N`` (with ``enable_expert_parallel=True`` to shard the experts) runs N rank
     processes (spawned: a script must guard its entry with ``if __name__ == "__main__":``).
     """
 
     def __init__(self, model: str | None = None, **engine_options: Any) -> None:
+        engine_options.setdefault("max_num_batched_tokens", OFFLINE_MAX_NUM_BATCHED_TOKENS)
         config = EngineConfig(model=str(model or default_model_path()), **engine_options)
         if config.data_parallel_size > 1:  # rank processes behind the same interface
             from deepinfer.parallel.front import DataParallelEngine
