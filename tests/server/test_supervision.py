@@ -193,7 +193,9 @@ def test_sigterm_lets_active_streams_finish_then_exits_zero(deepseek_model: Path
                 seen["late"] = late
                 seen["health"] = await client.get("/health")
 
-        streams, _ = asyncio.run(streams_then(served, 2, 64, terminate))
+        # Streams long enough to outlast the late request (0.3 s after the signal): a decode step of 8
+        # streams takes a few milliseconds here, so 64 tokens could drain, and the server exit, first.
+        streams, _ = asyncio.run(streams_then(served, 2, 600, terminate))
         assert seen["late"].status_code == 503 and seen["late"].headers["Retry-After"] == "1"
         assert seen["health"].status_code == 503
         unfinished = [(s.api, s.events[-2:]) for s in streams if not s.finished_normally]
