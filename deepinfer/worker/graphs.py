@@ -41,10 +41,11 @@ class DecodeGraphs:
         device: torch.device,
         session_factory: Callable[[], Any] | None = None,
     ) -> None:
+        """``sizes``: the batch sizes graphs are captured for, ascending (the platform's
+        ``graph_batch_sizes``); a step pads up to the next."""
         self.model = model
         self.kv_caches = kv_caches
         self.new_graph = new_graph
-        """``sizes``: the batch sizes graphs are captured for, ascending; a step pads up to the next."""
         if not sizes or list(sizes) != sorted(set(sizes)) or sizes[0] < 1:
             raise ValueError(f"graph batch sizes must be ascending, distinct and >= 1, got {list(sizes)}")
         self.sizes = list(sizes)

@@ -27,7 +27,6 @@
 
 namespace {
 
-using deepinfer_cpu::fast_exp;
 using deepinfer_cpu::load_row;
 using deepinfer_cpu::max_of;
 using deepinfer_cpu::store_row;

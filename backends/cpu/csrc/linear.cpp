@@ -22,18 +22,22 @@ using deepinfer_cpu::skinny_product;
 constexpr int64_t kSkinnyMax = 8;          // most rows computed by the skinny products
 constexpr int64_t kMacsPerThread = 1 << 13;  // below this many multiply-adds a call stays on one thread
 
-// One [R, K] x [N, K]^T product (weight element (c, k) at w[c * sc + k * sk], one of sc, sk == 1) into
-// float rows `out` (row stride ldo), parallel over column blocks when large.
+// H products [R, K] x [N, K]^T, one per head h: rows x + h * hx (row stride ldx) against the weight at
+// w + h * hw (element (c, k) at c * sc + k * sk, one of sc, sk == 1), into float rows out + h * ho (row
+// stride ldo); parallel over (head, block of output columns) when large.
 template <typename W>
-void skinny_linear(const float* x, int64_t ldx, int64_t R, const W* w, int64_t sc, int64_t sk, int64_t N, int64_t K,
-                   float* out, int64_t ldo) {
+void skinny_linear(const float* x, int64_t ldx, int64_t hx, int64_t R, const W* w, int64_t hw, int64_t sc,
+                   int64_t sk, int64_t H, int64_t N, int64_t K, float* out, int64_t ldo, int64_t ho) {
   const bool columns = sk != 1;
   const int64_t ldw = columns ? sk : sc;
-  const int64_t block = columns ? kColsC : 16;
-  const int64_t blocks = (N + block - 1) / block;
+  const int64_t block = columns ? kColsC : 16, blocks = (N + block - 1) / block;
   const int64_t grain = std::max<int64_t>(1, kMacsPerThread / std::max<int64_t>(1, R * K * block));
-  at::parallel_for(0, blocks, grain, [&](int64_t first, int64_t last) {
-    skinny_product(x, ldx, R, w, ldw, columns, K, first * block, std::min(N, last * block), out, ldo);
+  at::parallel_for(0, H * blocks, grain, [&](int64_t first, int64_t last) {
+    for (int64_t item = first; item < last; ++item) {
+      const int64_t h = item / blocks, c0 = (item % blocks) * block;
+      skinny_product(x + h * hx, ldx, R, w + h * hw, ldw, columns, K, c0, std::min(N, c0 + block), out + h * ho,
+                     ldo);
+    }
   });
 }
 
@@ -47,8 +51,8 @@ at::Tensor linear_2d(const at::Tensor& x, const at::Tensor& weight, const std::o
   const at::Tensor xf = x.to(at::kFloat).contiguous();
   at::Tensor out = at::empty({R, N}, x.options().dtype(at::kFloat));
   DEEPINFER_DISPATCH_WEIGHTS(weight.scalar_type(), "linear", [&] {
-    skinny_linear(xf.data_ptr<float>(), K, R, weight.data_ptr<scalar_t>(), weight.stride(0), weight.stride(1), N, K,
-                  out.data_ptr<float>(), N);
+    skinny_linear(xf.data_ptr<float>(), K, 0, R, weight.data_ptr<scalar_t>(), 0, weight.stride(0), weight.stride(1),
+                  1, N, K, out.data_ptr<float>(), N, 0);
   });
   if (bias.has_value() && bias->defined()) out.add_(*bias);
   return x.scalar_type() == at::kFloat ? out : out.to(x.scalar_type());
@@ -57,25 +61,13 @@ at::Tensor linear_2d(const at::Tensor& x, const at::Tensor& weight, const std::o
 // x [T, H, K] with weight [H, N, K] -> [T, H, N]: per head, the head's rows of x against its matrix.
 at::Tensor linear_heads(const at::Tensor& x, const at::Tensor& weight) {
   const int64_t R = x.size(0), H = x.size(1), K = x.size(2), N = weight.size(1);
-  const int64_t sc = weight.stride(1), sk = weight.stride(2);
-  if (R > kSkinnyMax || R == 0 || !skinny_layout(sc, sk) || x.scalar_type() == at::kDouble)
+  if (R > kSkinnyMax || R == 0 || !skinny_layout(weight.stride(1), weight.stride(2)) || x.scalar_type() == at::kDouble)
     return at::bmm(x.transpose(0, 1), weight.transpose(1, 2)).transpose(0, 1);
   const at::Tensor xf = x.to(at::kFloat).contiguous();
   at::Tensor out = at::empty({R, H, N}, x.options().dtype(at::kFloat));
-  const bool columns = sk != 1;
-  const int64_t block = columns ? kColsC : 16, blocks = (N + block - 1) / block;
-  const int64_t grain = std::max<int64_t>(1, kMacsPerThread / std::max<int64_t>(1, R * K * block));
   DEEPINFER_DISPATCH_WEIGHTS(weight.scalar_type(), "linear_heads", [&] {
-    const scalar_t* w = weight.data_ptr<scalar_t>();
-    const float* xp = xf.data_ptr<float>();
-    float* op = out.data_ptr<float>();
-    at::parallel_for(0, H * blocks, grain, [&](int64_t first, int64_t last) {
-      for (int64_t item = first; item < last; ++item) {
-        const int64_t h = item / blocks, c0 = (item % blocks) * block;
-        skinny_product(xp + h * K, H * K, R, w + h * weight.stride(0), columns ? sk : sc, columns, K, c0,
-                       std::min(N, c0 + block), op + h * N, H * N);
-      }
-    });
+    skinny_linear(xf.data_ptr<float>(), H * K, K, R, weight.data_ptr<scalar_t>(), weight.stride(0), weight.stride(1),
+                  weight.stride(2), H, N, K, out.data_ptr<float>(), H * N, N);
   });
   return x.scalar_type() == at::kFloat ? out : out.to(x.scalar_type());
 }

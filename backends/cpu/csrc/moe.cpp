@@ -34,8 +34,6 @@
 
 namespace {
 
-using deepinfer_cpu::fast_exp;
-using deepinfer_cpu::load_row;
 using deepinfer_cpu::store_row;
 
 constexpr float kInf = std::numeric_limits<float>::infinity();
@@ -176,8 +174,6 @@ using deepinfer_cpu::skinny_product;
 
 constexpr int64_t kColBlock = 16;  // output columns per work item
 
-inline float silu_mul(float gate, float up) { return gate / (1.f + fast_exp(-gate)) * up; }
-
 // One expert's share of a call: rows [begin, end) of the expert-sorted row order.
 struct Run {
   int64_t expert, begin, end;
@@ -257,19 +253,19 @@ void fused_moe_impl(const at::Tensor& hidden, const at::Tensor& w13, const at::T
         std::memcpy(xs.data() + r * dim, xp + row_token[r] * dim, dim * sizeof(float));
     const std::vector<Item> up_items = column_items(small, inter);
     at::parallel_for(0, static_cast<int64_t>(up_items.size()), 1, [&](int64_t first, int64_t last) {
-      std::vector<float> gate(most * kColBlock), up(most * kColBlock);
+      std::vector<float> gate_up(most * 2 * kColBlock);
       for (int64_t it = first; it < last; ++it) {
         const Item& item = up_items[it];
         const Run& run = small[item.run];
         const int64_t n = run.end - run.begin, cols = item.col1 - item.col0;
         const T* we = wg + run.expert * 2 * inter * dim;
         const float* x = xs.data() + run.begin * dim;
-        // gate columns [col0, col1) and up columns I + [col0, col1), into [n, cols] buffers
-        skinny_product(x, dim, n, we + item.col0 * dim, dim, false, dim, 0, cols, gate.data(), cols);
-        skinny_product(x, dim, n, we + (inter + item.col0) * dim, dim, false, dim, 0, cols, up.data(), cols);
-        for (int64_t r = 0; r < n; ++r)
-          for (int64_t c = 0; c < cols; ++c)
-            h[(run.begin + r) * inter + item.col0 + c] = silu_mul(gate[r * cols + c], up[r * cols + c]);
+        // rows [gate columns [col0, col1) | up columns I + [col0, col1)], then the shared SwiGLU
+        skinny_product(x, dim, n, we + item.col0 * dim, dim, false, dim, 0, cols, gate_up.data(), 2 * cols);
+        skinny_product(x, dim, n, we + (inter + item.col0) * dim, dim, false, dim, 0, cols, gate_up.data() + cols,
+                       2 * cols);
+        deepinfer_cpu::silu_mul_rows(gate_up.data(), 2 * cols, h.data() + run.begin * inter + item.col0, inter, n,
+                                     cols);
       }
     });
     const std::vector<Item> down_items = column_items(small, dim);
