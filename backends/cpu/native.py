@@ -82,9 +82,24 @@ def build_dir() -> Path:
     return Path(os.path.expanduser(envs.get("DEEPINFER_CACHE_DIR"))) / "cpu_ops" / build_key()
 
 
+def _digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _intact(target: Path) -> bool:
+    """Whether ``target`` holds a finished build: the library, and beside it the SHA-256 its build
+    recorded once the library was complete. A library cut short (a build or a copy killed mid-write)
+    does not match, and loading it could kill the process (SIGBUS in the dynamic loader)."""
+    library, recorded = target / f"{_NAME}.so", target / f"{_NAME}.so.sha256"
+    try:
+        return library.is_file() and recorded.read_text().strip() == _digest(library)
+    except OSError:
+        return False
+
+
 def toolchain_problem() -> str | None:
     """None when the kernels are built already or can be built here; else what is missing."""
-    if (build_dir() / f"{_NAME}.so").is_file():
+    if _intact(build_dir()):
         return None
     from torch.utils import cpp_extension
 
@@ -100,10 +115,11 @@ def load() -> Any:
     """Build (if needed) and load the kernels; returns ``torch.ops.deepinfer_cpu``. Idempotent.
 
     A build holds an exclusive ``flock`` on ``build.flock`` in the build directory: the kernel releases it
-    when the holder dies, so a process killed mid-build (kill -9) never blocks later starts. torch's own
-    ``lock`` file (a baton that a killed build leaves behind, after which every ``cpp_extension.load``
-    waits forever) is removed under that lock before building, and a finished build is loaded directly,
-    without torch's builder, so other checkouts of the same source never rebuild it.
+    when the holder dies, so a process killed mid-build (kill -9) never blocks later starts. A finished
+    build is recorded by its library's SHA-256 and loaded directly, without torch's builder, so other
+    checkouts of the same source never rebuild it; anything else in the directory (a killed build's
+    objects or truncated library, torch's ``lock`` baton, after which every ``cpp_extension.load`` would
+    wait forever) is removed under the lock and the build starts over.
     """
     module()
     return torch.ops.deepinfer_cpu
@@ -116,7 +132,7 @@ def module() -> Any:
         if _module is None:
             target = build_dir()
             library = target / f"{_NAME}.so"
-            if not library.is_file():
+            if not _intact(target):
                 _build(target)
             try:
                 spec = importlib.util.spec_from_file_location(_NAME, library)
@@ -137,9 +153,13 @@ def _build(target: Path) -> None:
     target.mkdir(parents=True, exist_ok=True)
     with open(target / "build.flock", "w") as held:
         fcntl.flock(held, fcntl.LOCK_EX)  # another process may be building: wait for it, not for a corpse
-        if (target / f"{_NAME}.so").is_file():
+        if _intact(target):
             return
-        (target / "lock").unlink(missing_ok=True)  # torch's baton, left by a build that was killed
+        leftovers = [path for path in target.iterdir() if path.name != "build.flock"]
+        if leftovers:  # a build killed part-way (objects or library cut short, torch's baton): start over
+            logger.warning("removing an unfinished build of the fast CPU kernels in %s", target)
+            for path in leftovers:
+                shutil.rmtree(path) if path.is_dir() else path.unlink()
         logger.info("building the fast CPU kernels into %s (once per source/torch/CPU)", target)
         try:
             cpp_extension.load(
@@ -153,6 +173,14 @@ def _build(target: Path) -> None:
             )
         except (RuntimeError, OSError, ImportError) as exc:
             raise NativeBuildError(f"building {CSRC} in {target} failed: {exc}") from exc
+        # The library is complete: record its digest (written aside, fsynced, renamed into place).
+        recorded = target / f"{_NAME}.so.sha256"
+        partial = recorded.with_suffix(".tmp")
+        with open(partial, "w") as out:
+            out.write(_digest(target / f"{_NAME}.so"))
+            out.flush()
+            os.fsync(out.fileno())
+        partial.replace(recorded)
 
 
 if __name__ == "__main__":  # ./build.sh: python -m deepinfer.backends.cpu.native

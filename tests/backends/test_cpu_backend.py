@@ -332,6 +332,9 @@ def test_a_build_killed_mid_way_never_blocks_later_starts(tmp_path: Path) -> Non
     target = cache / "cpu_ops" / native.build_key()
     target.mkdir(parents=True)
     (target / "deepinfer_cpu_ops.so").write_bytes(built.read_bytes())
+    (target / "deepinfer_cpu_ops.so.sha256").write_text(
+        (built.parent / "deepinfer_cpu_ops.so.sha256").read_text()
+    )
     (target / "lock").write_text("")  # what a killed cpp_extension build leaves
     code = (
         "from deepinfer.backends.cpu import native; ops = native.load(); "
@@ -343,3 +346,38 @@ def test_a_build_killed_mid_way_never_blocks_later_starts(tmp_path: Path) -> Non
     )
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == [str(target), "True"]
+
+
+def test_a_truncated_library_is_rebuilt_not_loaded(tmp_path: Path) -> None:
+    """A library cut short (a build or copy killed mid-write) beside its recorded digest kills the process
+    with SIGBUS when loaded. It must be detected, the directory cleared of the unfinished build, and the
+    kernels built again: here torch's builder is replaced by a copy of the finished library, so the test
+    does not compile for a minute."""
+    from deepinfer.backends.cpu import native
+
+    native.load()
+    built = native.build_dir() / "deepinfer_cpu_ops.so"
+    target = tmp_path / "cache" / "cpu_ops" / native.build_key()
+    target.mkdir(parents=True)
+    (target / "deepinfer_cpu_ops.so").write_bytes(built.read_bytes()[:100_000])
+    (target / "deepinfer_cpu_ops.so.sha256").write_text(
+        (built.parent / "deepinfer_cpu_ops.so.sha256").read_text()
+    )
+    (target / "kernels.o").write_bytes(b"half an object")
+    code = (
+        "import shutil, sys; from torch.utils import cpp_extension; from deepinfer.backends.cpu import native\n"
+        "def fake_load(name, sources, build_directory, **kwargs):\n"
+        "    assert sorted(p.name for p in native.build_dir().iterdir()) == ['build.flock'], 'leftovers kept'\n"
+        f"    shutil.copy({str(built)!r}, build_directory)\n"
+        "cpp_extension.load = fake_load\n"
+        "ops = native.load(); print(hasattr(ops, 'mla_decode'))"
+    )
+    env = {**os.environ, "DEEPINFER_CACHE_DIR": str(tmp_path / "cache")}
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120, cwd=REPO_ROOT
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["True"]
+    assert "removing an unfinished build" in out.stderr
+    assert not (target / "kernels.o").exists()
+    assert native._intact(target)
