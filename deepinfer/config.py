@@ -28,7 +28,10 @@ class EngineConfig(BaseModel):
     )
     enable_prefix_caching: bool = True
     kv_cache_memory_gib: float | None = Field(
-        None, gt=0, description="KV cache size; None: 90% of free device memory (at most 4 GiB on cpu)"
+        None,
+        gt=0,
+        description="KV cache size; None: 90% of free device memory less the peak of one profiled step at "
+        "max_num_batched_tokens (at most 4 GiB on cpu)",
     )
     num_kv_blocks: int | None = Field(
         None, ge=1, description="exact number of KV blocks (overrides the size)"

@@ -10,9 +10,10 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import os
+from collections.abc import Callable
 from typing import Any
 
-from deepinfer.platform.interface import Detection, DeviceGraph, GraphCapture, Platform
+from deepinfer.platform.interface import Detection, DeviceGraph, GraphCapture, Platform, device_peak_memory_of
 
 CANN_ENV_VARS = ("ASCEND_HOME_PATH", "ASCEND_TOOLKIT_HOME")
 
@@ -86,7 +87,17 @@ class AscendPlatform(Platform):
 
         return torch.npu.mem_get_info(index)
 
-    def graph(self) -> GraphCapture:
+    def peak_memory_of(self, fn: Callable[[], Any]) -> int:
         import torch
 
-        return DeviceGraph(torch.npu, torch.npu.NPUGraph)
+        return device_peak_memory_of(torch.npu, fn)
+
+    def graph(self, pool: Any = None) -> GraphCapture:
+        import torch
+
+        return DeviceGraph(torch.npu, torch.npu.NPUGraph, pool)
+
+    def graph_pool(self) -> Any:
+        import torch
+
+        return torch.npu.graph_pool_handle()

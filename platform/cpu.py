@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import os
 import platform as _stdlib_platform
+import re
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -77,9 +80,27 @@ class CpuPlatform(Platform):
         page = os.sysconf("SC_PAGE_SIZE")
         return os.sysconf("SC_AVPHYS_PAGES") * page, os.sysconf("SC_PHYS_PAGES") * page
 
-    def graph(self) -> GraphCapture:
+    def peak_memory_of(self, fn: Callable[[], Any]) -> int:
+        """The process's resident-set high-water mark during ``fn`` above its resident size before it
+        (Linux: the mark is reset through ``/proc/self/clear_refs`` and read as ``VmHWM``). Heap that
+        earlier work freed but glibc kept (``deepinfer.malloc_tuning`` keeps it all) is resident already
+        and reused first, so only what ``fn`` took beyond it counts, which is what must stay free."""
+        try:
+            with open("/proc/self/clear_refs", "w") as clear:
+                clear.write("5")  # 5: reset the peak resident set size to the current one
+        except OSError as exc:
+            raise RuntimeError(
+                f"cannot measure a step's peak memory on this host ({exc}); set kv_cache_memory_gib or "
+                "num_kv_blocks to size the KV cache yourself"
+            ) from exc
+        base = _resident_kib("VmRSS")
+        fn()
+        return max(0, _resident_kib("VmHWM") - base) * 1024
+
+    def graph(self, pool: Any = None) -> GraphCapture:
         """The fast backend's ``CpuGraph`` (ops recorded once, replayed from C++ without Python); the
         eager wrapper under the reference backend, whose ops read values on the host."""
+        del pool  # a CPU graph holds no memory of its own: its ops allocate as they replay
         if self.op_backend != FAST_BACKEND:
             return EagerGraph()
         from deepinfer.backends.cpu.graph import CpuGraph
@@ -105,3 +126,12 @@ class CpuPlatform(Platform):
         if weight.dtype != torch.float32:
             return weight
         return weight.t().contiguous().t()
+
+
+def _resident_kib(field: str) -> int:
+    """A ``/proc/self/status`` memory field in KiB (``VmRSS``: resident now; ``VmHWM``: peak)."""
+    with open("/proc/self/status") as status:
+        match = re.search(rf"^{field}:\s+(\d+) kB", status.read(), re.MULTILINE)
+    if match is None:
+        raise RuntimeError(f"/proc/self/status has no {field} line")
+    return int(match.group(1))

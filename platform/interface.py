@@ -130,9 +130,23 @@ class Platform(ABC):
     def mem_get_info(self, index: int = 0) -> tuple[int, int]:
         """(free bytes, total bytes) of the memory that holds weights and the KV cache."""
 
-    def graph(self) -> GraphCapture:
-        """A fresh graph-capture wrapper; the default runs eagerly."""
+    def graph(self, pool: Any = None) -> GraphCapture:
+        """A fresh graph-capture wrapper; the default runs eagerly. ``pool``: a handle from
+        ``graph_pool()`` that every graph of one engine shares (None: the graph's own memory)."""
         return EagerGraph()
+
+    def graph_pool(self) -> Any:
+        """A memory pool handle for ``graph(pool)``: graphs captured into one pool reuse each other's
+        intermediate memory, so an engine's decode graphs together hold about what its largest one needs
+        (they never replay concurrently, and each one's outputs are read before the next replays). None
+        where graphs hold no memory of their own (the default, and the CPU)."""
+        return None
+
+    @abstractmethod
+    def peak_memory_of(self, fn: Callable[[], Any]) -> int:
+        """Bytes of the memory ``mem_get_info`` reports that running ``fn()`` needed at its peak beyond
+        what was in use when it began (its temporaries, and whatever it keeps). The engine sizes the KV
+        cache with it: the peak of one step at the token budget is left free."""
 
     @property
     def graph_capture_default(self) -> bool:
@@ -161,13 +175,28 @@ class Platform(ABC):
         return f"{self.name} ({self.device_name}; chip {self.chip.key}, role {self.node_role.value})"
 
 
+def device_peak_memory_of(device_module: Any, fn: Callable[[], Any]) -> int:
+    """``Platform.peak_memory_of`` over a caching allocator whose device module mirrors ``torch.cuda``
+    (``torch.cuda``, ``torch.npu``): the allocator's peak of allocated bytes during ``fn`` above what was
+    allocated when it began."""
+    m = device_module
+    m.synchronize()
+    m.reset_peak_memory_stats()
+    base = m.memory_allocated()
+    fn()
+    m.synchronize()
+    return max(0, m.max_memory_allocated() - base)
+
+
 class DeviceGraph(GraphCapture):
     """Graph capture over a torch device module that mirrors ``torch.cuda`` (``torch.cuda``,
-    ``torch.npu``): one warm-up run on a side stream, then capture into ``graph_cls()``."""
+    ``torch.npu``): one warm-up run on a side stream, then capture into ``graph_cls()``, in the memory
+    pool ``pool`` (a ``graph_pool_handle()`` shared by an engine's graphs; None: a private pool)."""
 
-    def __init__(self, device_module: Any, graph_cls: Callable[[], Any]) -> None:
+    def __init__(self, device_module: Any, graph_cls: Callable[[], Any], pool: Any = None) -> None:
         self._m = device_module
         self._graph_cls = graph_cls
+        self._pool = pool
         self._graph: Any = None
 
     def capture(self, fn: Callable[[], Any]) -> Any:
@@ -178,7 +207,7 @@ class DeviceGraph(GraphCapture):
             fn()
         m.current_stream().wait_stream(side)
         self._graph = self._graph_cls()
-        with m.graph(self._graph):
+        with m.graph(self._graph, pool=self._pool):
             outputs = fn()
         return outputs
 

@@ -6,9 +6,12 @@ decode steps are captured as CUDA graphs.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 
-from deepinfer.platform.interface import Detection, DeviceGraph, GraphCapture, Platform
+from deepinfer.platform.interface import Detection, DeviceGraph, GraphCapture, Platform, device_peak_memory_of
 
 
 def chip_for_capability(major: int, minor: int) -> str | None:
@@ -55,5 +58,11 @@ class NvidiaPlatform(Platform):
     def mem_get_info(self, index: int = 0) -> tuple[int, int]:
         return torch.cuda.mem_get_info(index)
 
-    def graph(self) -> GraphCapture:
-        return DeviceGraph(torch.cuda, torch.cuda.CUDAGraph)
+    def peak_memory_of(self, fn: Callable[[], Any]) -> int:
+        return device_peak_memory_of(torch.cuda, fn)
+
+    def graph(self, pool: Any = None) -> GraphCapture:
+        return DeviceGraph(torch.cuda, torch.cuda.CUDAGraph, pool)
+
+    def graph_pool(self) -> Any:
+        return torch.cuda.graph_pool_handle()

@@ -42,10 +42,12 @@ from deepinfer.tokenizer import Tokenizer
 from deepinfer.worker import calibration
 from deepinfer.worker.graphs import DecodeGraphs
 from deepinfer.worker.inputs import InputBuilder
+from deepinfer.worker.memory_profile import profile_shape, profile_step_peak
 from deepinfer.worker.model_runner import ModelRunner, RunnerOutput
 from deepinfer.worker.spec_decode import ConfidenceHead, MTPProposer
 
 if TYPE_CHECKING:
+    from deepinfer.kvstore.connector import StoreConnector
     from deepinfer.parallel.placement import ExpertShard
 
 logger = get_logger(__name__)
@@ -98,8 +100,8 @@ class LLMEngine:
 
         c = self.model_config
         self.cache_spec = ops.kv_cache_spec(c.kv_lora_rank, c.qk_rope_head_dim, self.dtype)
+        self.num_draft_tokens, self._confidence = self._speculation()
         num_blocks = self._num_kv_blocks()
-        self.num_draft_tokens, confidence = self._speculation()
         self.max_model_len = self._fit_context(num_blocks, self.num_draft_tokens)
         # Graph padding rows read and write one reserved block past the ones the manager hands out.
         self.graph_capture = self._graph_capture(shard)
@@ -113,20 +115,13 @@ class LLMEngine:
                     tensor[num_blocks].zero_()  # padding rows read the reserved block: keep it finite
         self.kv_cache = KVCacheManager(num_blocks, self.cache_spec.block_size, config.enable_prefix_caching)
         self.structured = StructuredOutputs(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
-        # Deterministic mode: one attention path for every token (prompt chunks take the absorbed decode
-        # path too), so a token's attention does not depend on chunking, prefix-cache hits or speculation.
-        decode_query_len = config.max_num_batched_tokens if self.deterministic else 1 + self.num_draft_tokens
-        inputs = InputBuilder(self.cache_spec.block_size, self.device, decode_query_len)
-        proposer = (
-            MTPProposer(self.model, self.kv_caches, inputs, self.num_draft_tokens, confidence)
-            if self.num_draft_tokens
-            else None
-        )
-        graphs = (
-            DecodeGraphs(
+        graphs = None
+        if self.graph_capture:
+            pool = self.platform.graph_pool()  # one pool for every size's graph
+            graphs = DecodeGraphs(
                 self.model,
                 self.kv_caches,
-                self.platform.graph,
+                lambda: self.platform.graph(pool),
                 self.platform.graph_batch_sizes(config.max_num_seqs),
                 -(-self.max_model_len // self.cache_spec.block_size),
                 self.cache_spec.block_size,
@@ -134,20 +129,9 @@ class LLMEngine:
                 self.device,
                 active_ops().graph_session,
             )
-            if self.graph_capture
-            else None
-        )
         self.kv_connector = self._kv_store(folder, tokenizer_dir) if config.kv_store is not None else None
-        self.runner = ModelRunner(
-            self.model,
-            self.kv_caches,
-            inputs,
-            self.eos_token_ids,
-            self.platform.synchronize,
-            structured=self.structured,
-            proposer=proposer,
-            graphs=graphs,
-            kv_connector=self.kv_connector,
+        self.runner = self._make_runner(
+            self.kv_caches, structured=self.structured, graphs=graphs, kv_connector=self.kv_connector
         )
         self.spec_stats = SpecDecodeStats()
         # The last applied step and its runner seconds (read by the engine core's step log).
@@ -194,6 +178,39 @@ class LLMEngine:
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             ids.add(self.tokenizer.eos_token_id)
         return frozenset(ids)
+
+    def _make_runner(
+        self,
+        kv_caches: list[tuple[torch.Tensor, ...]],
+        *,
+        structured: StructuredOutputs | None = None,
+        graphs: DecodeGraphs | None = None,
+        kv_connector: StoreConnector | None = None,
+    ) -> ModelRunner:
+        """A model runner over ``kv_caches`` (one tuple of cache tensors per cache layer): the engine's
+        own, and the memory profile's over a scratch cache."""
+        # Deterministic mode: one attention path for every token (prompt chunks take the absorbed decode
+        # path too), so a token's attention does not depend on chunking, prefix-cache hits or speculation.
+        decode_query_len = (
+            self.config.max_num_batched_tokens if self.deterministic else 1 + self.num_draft_tokens
+        )
+        inputs = InputBuilder(self.cache_spec.block_size, self.device, decode_query_len)
+        proposer = (
+            MTPProposer(self.model, kv_caches, inputs, self.num_draft_tokens, self._confidence)
+            if self.num_draft_tokens
+            else None
+        )
+        return ModelRunner(
+            self.model,
+            kv_caches,
+            inputs,
+            self.eos_token_ids,
+            self.platform.synchronize,
+            structured=structured,
+            proposer=proposer,
+            graphs=graphs,
+            kv_connector=kv_connector,
+        )
 
     def _graph_capture(self, shard: ExpertShard | None) -> bool:
         """``EngineConfig.graph_capture``, or the platform's default when unset; the default is off
@@ -275,23 +292,58 @@ class LLMEngine:
         return model
 
     def _num_kv_blocks(self) -> int:
+        """``num_kv_blocks``; else the blocks ``kv_cache_memory_gib`` holds; else the blocks 90% of the
+        device's free memory holds once one step at the token budget has its peak (profiled; at most
+        ``CPU_KV_CACHE_CAP`` on the CPU)."""
         if self.config.num_kv_blocks is not None:
             return self.config.num_kv_blocks
         per_block = self.cache_spec.bytes_per_block() * self.model.num_cache_layers
         if self.config.kv_cache_memory_gib is not None:
             budget = int(self.config.kv_cache_memory_gib * (1 << 30))
-        else:
-            free, _ = self.platform.mem_get_info()
-            budget = int(free * 0.9)
-            if self.platform.device_type == "cpu":
-                budget = min(budget, CPU_KV_CACHE_CAP)
-        blocks = budget // per_block
-        if blocks <= 0:
+            if budget < per_block:
+                raise ValueError(
+                    f"a KV cache of {budget / 2**30:.3f} GiB holds no block of {per_block} bytes; raise "
+                    "kv_cache_memory_gib"
+                )
+            return budget // per_block
+        free, _ = self.platform.mem_get_info()
+        peak, shape = self._profile_step()
+        budget = int(free * 0.9) - peak
+        if self.platform.device_type == "cpu":
+            budget = min(budget, CPU_KV_CACHE_CAP)
+        if budget < per_block:
             raise ValueError(
-                f"a KV cache of {budget / 2**30:.3f} GiB holds no block of {per_block} bytes; raise "
-                "kv_cache_memory_gib"
+                f"no room for a KV cache: {free / 2**30:.2f} GiB of device memory is free (90% usable) and "
+                f"one step of max_num_batched_tokens={self.config.max_num_batched_tokens} tokens over "
+                f"{len(shape)} requests needs {peak / 2**30:.2f} GiB at its peak; lower "
+                "max_num_batched_tokens or max_num_seqs, or set kv_cache_memory_gib / num_kv_blocks"
             )
-        return blocks
+        logger.info(
+            "KV cache sized after a profiled step of %d tokens over %d requests: its peak %.1f MiB, "
+            "free memory %.2f GiB -> %.2f GiB of KV cache",
+            sum(shape),
+            len(shape),
+            peak / 2**20,
+            free / 2**30,
+            budget / 2**30,
+        )
+        return budget // per_block
+
+    def _profile_step(self) -> tuple[int, list[int]]:
+        """The peak bytes of the largest step the scheduler can make, and its prompt lengths."""
+        max_len = self.max_model_len - self.num_draft_tokens
+        shape = profile_shape(self.config.max_num_batched_tokens, self.config.max_num_seqs, max_len)
+        peak = profile_step_peak(
+            self._make_runner,
+            self.cache_spec,
+            self.model.num_cache_layers,
+            self.device,
+            self.model_config.vocab_size,
+            shape,
+            self.num_draft_tokens,
+            self.platform.peak_memory_of,
+        )
+        return peak, shape
 
     def _fit_context(self, num_blocks: int, lookahead: int) -> int:
         """The context length one request may use: ``max_model_len`` when the whole KV cache can hold a

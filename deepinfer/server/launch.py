@@ -120,7 +120,11 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"], help="weights' dtype"
     )
-    parser.add_argument("--kv-cache-memory-gib", type=float, help="KV-cache size (default: most free memory)")
+    parser.add_argument(
+        "--kv-cache-memory-gib",
+        type=float,
+        help="KV-cache size (default: 90%% of free memory less one profiled step's peak)",
+    )
     parser.add_argument("--max-num-batched-tokens", type=int, help="token budget of one engine step")
     parser.add_argument(
         "--long-prefill-token-threshold",

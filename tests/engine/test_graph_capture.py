@@ -81,3 +81,21 @@ def test_a_forward_that_cannot_be_captured_runs_eagerly(
     graphs = llm.engine.runner.graphs
     assert graphs.refused and not graphs.graphs
     assert any("decode graphs off" in r.message for r in caplog.records)
+
+
+def test_an_engines_graphs_share_one_memory_pool(tiny_model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every batch size's graph is captured into the one pool the platform gave the engine (on devices
+    a ``graph_pool_handle()``), so together they hold about what the largest needs."""
+    pool, pools = object(), []
+    make = CpuPlatform.graph
+
+    def recording(self: CpuPlatform, pool: object = None) -> object:
+        pools.append(pool)
+        return make(self, pool)
+
+    monkeypatch.setattr(CpuPlatform, "graph_pool", lambda self: pool)
+    monkeypatch.setattr(CpuPlatform, "graph", recording)
+    llm = LLM(str(tiny_model), num_kv_blocks=64, max_num_seqs=8)
+    staggered = [SamplingParams(temperature=0.0, max_tokens=4 + 3 * i, ignore_eos=True) for i in range(5)]
+    llm.generate(prompt_token_ids=PROMPTS, sampling_params=staggered)
+    assert len(pools) == 5 and all(p is pool for p in pools)  # sizes 5 down to 1 as requests finish

@@ -24,3 +24,42 @@ def test_replay_recomputes_into_the_captured_outputs() -> None:
 def test_replay_before_capture_is_an_error() -> None:
     with pytest.raises(RuntimeError, match="before capture"):
         EagerGraph().replay()
+
+
+def test_device_graphs_capture_into_the_pool_they_were_given() -> None:
+    """DeviceGraph over a stand-in for ``torch.cuda``: a warm-up run on a side stream, then the capture
+    into ``graph(g, pool=...)`` with the engine's shared pool."""
+    from contextlib import contextmanager
+
+    from deepinfer.platform.interface import DeviceGraph
+
+    calls = []
+
+    class FakeStream:
+        def wait_stream(self, other: object) -> None:
+            calls.append("wait")
+
+    class FakeDevice:
+        Stream = FakeStream
+
+        @staticmethod
+        def current_stream() -> FakeStream:
+            return FakeStream()
+
+        @staticmethod
+        @contextmanager
+        def stream(s: FakeStream):
+            calls.append("side")
+            yield
+
+        @staticmethod
+        @contextmanager
+        def graph(g: object, pool: object = None):
+            calls.append(("capture", pool))
+            yield
+
+    pool = object()
+    graph = DeviceGraph(FakeDevice, object, pool)
+    out = graph.capture(lambda: torch.ones(2))
+    assert torch.equal(out, torch.ones(2))
+    assert ("capture", pool) in calls and calls.index("side") < calls.index(("capture", pool))
