@@ -11,7 +11,14 @@ import sys
 
 from deepinfer import envs
 
-MALLOC_TUNABLES = "glibc.malloc.mmap_threshold=4294967295:glibc.malloc.trim_threshold=4294967295"
+# Thresholds raised so large temporaries stay in the heap (no mmap/munmap and page faults every step),
+# and the heap advised for transparent huge pages (hugetlb=1, glibc >= 2.35; where the kernel's THP mode is
+# "madvise", as here, nothing else turns them on): a decode step reads every weight once, and 2 MiB pages
+# spare it thousands of TLB misses, which a VM's nested page tables make dear. One request's decode ran
+# about 10% faster with it on this AMD host (8 alternated runs each, medians 1,325 vs 1,200 tok/s).
+MALLOC_TUNABLES = (
+    "glibc.malloc.mmap_threshold=4294967295:glibc.malloc.trim_threshold=4294967295:glibc.malloc.hugetlb=1"
+)
 
 
 def reexec_with_malloc_tuning() -> None:
