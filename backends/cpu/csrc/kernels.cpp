@@ -75,35 +75,33 @@ constexpr int64_t kWideCols = 64;  // ... where the latent has that many left
 constexpr int64_t kPrefetchTiles = 2;  // tiles requested ahead of the one being read
 constexpr int64_t kMaxRows = (kRowBlock + kHeadGroup - 1) / kHeadGroup * kHeadGroup;
 
-// tile [cnt, width] -> tile_t [width, kTile], zero-padding keys cnt..kTile. A full tile moves 8 x 8 blocks
-// through AVX registers where the CPU has them (an exact copy either way).
-inline void transpose_tile(const float* tile, float* tile_t, int64_t cnt, int64_t width) {
+// tile [kTile, width] (zero-padded past its keys) -> tile_t [width, kTile], in 8 x 8 blocks through AVX
+// registers where the CPU has them (an exact copy either way).
+inline void transpose_tile(const float* tile, float* tile_t, int64_t width) {
   int64_t c0 = 0;
 #ifdef __AVX2__
-  if (cnt == kTile) {
-    for (; c0 + 8 <= width; c0 += 8)
-      for (int64_t r0 = 0; r0 < kTile; r0 += 8) {
-        __m256 v[8], t[8];
-        for (int i = 0; i < 8; ++i) v[i] = _mm256_loadu_ps(tile + (r0 + i) * width + c0);
-        for (int i = 0; i < 8; i += 2) {
-          t[i] = _mm256_unpacklo_ps(v[i], v[i + 1]);
-          t[i + 1] = _mm256_unpackhi_ps(v[i], v[i + 1]);
-        }
-        for (int i = 0; i < 8; i += 4) {
-          v[i] = _mm256_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(1, 0, 1, 0));
-          v[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(3, 2, 3, 2));
-          v[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(1, 0, 1, 0));
-          v[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(3, 2, 3, 2));
-        }
-        for (int i = 0; i < 4; ++i) {
-          _mm256_storeu_ps(tile_t + (c0 + i) * kTile + r0, _mm256_permute2f128_ps(v[i], v[i + 4], 0x20));
-          _mm256_storeu_ps(tile_t + (c0 + i + 4) * kTile + r0, _mm256_permute2f128_ps(v[i], v[i + 4], 0x31));
-        }
+  for (; c0 + 8 <= width; c0 += 8)
+    for (int64_t r0 = 0; r0 < kTile; r0 += 8) {
+      __m256 v[8], t[8];
+      for (int i = 0; i < 8; ++i) v[i] = _mm256_loadu_ps(tile + (r0 + i) * width + c0);
+      for (int i = 0; i < 8; i += 2) {
+        t[i] = _mm256_unpacklo_ps(v[i], v[i + 1]);
+        t[i + 1] = _mm256_unpackhi_ps(v[i], v[i + 1]);
       }
-  }
+      for (int i = 0; i < 8; i += 4) {
+        v[i] = _mm256_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(1, 0, 1, 0));
+        v[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(3, 2, 3, 2));
+        v[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(1, 0, 1, 0));
+        v[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(3, 2, 3, 2));
+      }
+      for (int i = 0; i < 4; ++i) {
+        _mm256_storeu_ps(tile_t + (c0 + i) * kTile + r0, _mm256_permute2f128_ps(v[i], v[i + 4], 0x20));
+        _mm256_storeu_ps(tile_t + (c0 + i + 4) * kTile + r0, _mm256_permute2f128_ps(v[i], v[i + 4], 0x31));
+      }
+    }
 #endif
   for (int64_t c = c0; c < width; ++c)
-    for (int64_t r = 0; r < kTile; ++r) tile_t[c * kTile + r] = r < cnt ? tile[r * width + c] : 0.f;
+    for (int64_t r = 0; r < kTile; ++r) tile_t[c * kTile + r] = tile[r * width + c];
 }
 
 // scores[row, r] = scale * q[row] . key[r] for all rows, vectorised over the kTile keys.
@@ -264,7 +262,7 @@ void attend(const Operands<cache_t>& o, const Work& w, Scratch& s, RowState& st)
     load_row(rows, s.tile.data(), cnt * width);
     std::fill(s.tile.begin() + cnt * width, s.tile.end(), 0.f);
     prefetch_tile(j0 / kTile * kTile + kPrefetchTiles * kTile);
-    transpose_tile(s.tile.data(), s.tile_t.data(), kTile, width);  // the zero rows too: one full tile
+    transpose_tile(s.tile.data(), s.tile_t.data(), width);  // the zero rows too: one full tile
     for (int64_t g0 = 0; g0 < padded; g0 += kHeadGroup) {
       bool any = false;           // does a row of the group see a key of this tile?
       bool whole = cnt == kTile;  // ... does every row of the group see all its keys?
