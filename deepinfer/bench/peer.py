@@ -88,7 +88,8 @@ def compare(
         rs = runs[name]
         tps = [r["output_tokens"] / r["wall_s"] for r in rs]
         return {"output_tokens_per_s": statistics.median(tps), "reps": tps, "wall_s": [r["wall_s"] for r in rs],
-                "load_average_before": [r["load_average_before"] for r in rs], "config": rs[0]["config"]}  # fmt: skip
+                "load_average_before": [r["load_average_before"] for r in rs], "config": rs[0]["config"],
+                **({"cached_prompt_tokens": [r["cached_prompt_tokens"] for r in rs]} if name == "deepinfer" else {})}  # fmt: skip
 
     ours, theirs = summary("deepinfer"), summary(peer)
     return {

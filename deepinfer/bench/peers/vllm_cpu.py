@@ -29,7 +29,11 @@ def main(job_path: str, result_path: str) -> None:
               enable_prefix_caching=False, seed=0)  # fmt: skip
     params = SamplingParams(temperature=0.0, max_tokens=job["output_len"], ignore_eos=True)
     warm = time.perf_counter()
-    llm.generate(prompts[:2], SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)
+    llm.generate(
+        [TokensPrompt(prompt_token_ids=p[:8]) for p in job["prompts"][:2]],
+        SamplingParams(temperature=0.0, max_tokens=4),
+        use_tqdm=False,
+    )
     warmup_s = time.perf_counter() - warm
     start = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
