@@ -211,6 +211,12 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
             "--long-prefill-token-threshold", type=int, default=None, help="fixed prompt chunk size"
         )
         p.add_argument("--async-scheduling", action="store_true")
+        p.add_argument(
+            "--max-decode-steps",
+            type=int,
+            default=None,
+            help="decode iterations per step (default: the engine's)",
+        )
         p.add_argument("--speculative", choices=["mtp", "mtp-confidence"], default=None)
         p.add_argument("--num-draft-tokens", type=int, default=None)
         p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
@@ -270,6 +276,7 @@ def bench(args: argparse.Namespace) -> int:
         "step_time_budget_ms": args.step_time_budget_ms,
         "long_prefill_token_threshold": args.long_prefill_token_threshold,
         "async_scheduling": args.async_scheduling,
+        **({"max_decode_steps": args.max_decode_steps} if args.max_decode_steps else {}),
         "speculative": args.speculative,
         "num_draft_tokens": args.num_draft_tokens,
     }
@@ -361,6 +368,7 @@ def _bench_serve(args: argparse.Namespace, model: str, workload, options: dict) 
         "--long-prefill-token-threshold": options["long_prefill_token_threshold"],
         "--speculative": options["speculative"],
         "--num-draft-tokens": options["num_draft_tokens"],
+        "--max-decode-steps": options.get("max_decode_steps"),
     }
     server_args = [str(x) for k, v in flags.items() if v is not None for x in (k, v)]
     server_args += ["--max-num-batched-tokens", str(options["max_num_batched_tokens"])]

@@ -50,6 +50,14 @@ class EngineConfig(BaseModel):
     async_scheduling: bool = Field(
         False, description="schedule step N+1 while step N computes (the scheduler runs one step ahead)"
     )
+    max_decode_steps: int = Field(
+        8,
+        ge=1,
+        le=64,
+        description="decode iterations one step may run back to back when every running request decodes "
+        "and none waits, cut to about 4 ms: tokens then arrive up to this many at a time; 1: off (also off "
+        "with speculative decoding, async scheduling, a KV store, data parallelism or structured outputs)",
+    )
     speculative: Literal["mtp", "mtp-confidence"] | None = Field(
         None, description="speculative decoding: MTP drafts, optionally gated by the model's confidence head"
     )

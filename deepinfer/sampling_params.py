@@ -96,5 +96,10 @@ class SamplingParams(BaseModel):
         return self.temperature == 0.0
 
     @property
+    def constrained(self) -> bool:
+        """Structured output: the tokens must follow a regex, JSON schema, grammar or choice."""
+        return any(v is not None for v in (self.regex, self.json_schema, self.grammar, self.choice))
+
+    @property
     def needs_penalties(self) -> bool:
         return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0

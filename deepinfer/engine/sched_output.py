@@ -40,10 +40,14 @@ class SchedulerOutput:
     preempted_ids: list[str] = field(default_factory=list)
     # KV store: (key, device block id, traffic class) of blocks complete after this step, to save
     kv_saves: list[tuple[bytes, int, str]] = field(default_factory=list)
+    # Decode iterations the runner runs back to back (> 1 only when every request is a decode with one
+    # token): each request's KV slots for the further iterations are allocated; it emits this many tokens.
+    decode_steps: int = 1
 
     @property
     def num_tokens(self) -> int:
-        return sum(len(r.token_ids) for r in self.requests)
+        """Tokens whose KV the step computes, over all its decode iterations."""
+        return sum(len(r.token_ids) for r in self.requests) + (self.decode_steps - 1) * len(self.requests)
 
     @property
     def is_empty(self) -> bool:

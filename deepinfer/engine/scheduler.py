@@ -34,6 +34,7 @@ class SchedulerConfig:
     long_prefill_token_threshold: int  # largest chunk one request gets in one step
     step_time_budget_s: float | None = None  # cut prompt chunks to this predicted step time (None: off)
     num_lookahead_tokens: int = 0  # speculative decoding: draft tokens per request per step
+    max_decode_steps: int = 1  # decode iterations one step may run back to back (see Scheduler._decode_steps)
 
     def __post_init__(self) -> None:
         for name in (
@@ -41,6 +42,7 @@ class SchedulerConfig:
             "max_num_batched_tokens",
             "max_model_len",
             "long_prefill_token_threshold",
+            "max_decode_steps",
         ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
@@ -66,6 +68,8 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        # Seconds of one decode iteration and the batch size it was measured at (observe_step_time).
+        self.decode_iteration: tuple[float, int] | None = None
         self.connector = connector  # the KV store (deepinfer/kvstore): loads at admission, saves blocks
 
     # ------------------------------------------------------------------ requests
@@ -125,6 +129,7 @@ class Scheduler:
         picked: list[tuple[Request, int, list[int]]] = []  # request, real tokens, drafts
         preempted: list[str] = []
         lookahead = self.config.num_lookahead_tokens
+        steps = self._decode_steps()
 
         index = 0
         while index < len(self.running) and step.tokens > 0:
@@ -139,7 +144,10 @@ class Scheduler:
                 index += 1  # a prompt chunk that does not fit the time left; decodes behind it still run
                 continue
             drafts = self._drafts(request, step.tokens - num_new) if num_new == 1 else []
-            while not self.kv.allocate(request, num_new + len(drafts), lookahead=lookahead):
+            while not self.kv.allocate(request, num_new + len(drafts), lookahead=max(lookahead, steps - 1)):
+                if steps > 1:  # no room for the iterations ahead: one this step (earlier grants are kept)
+                    steps = 1
+                    continue
                 victim = self.running.pop()
                 self._preempt(victim)
                 preempted.append(victim.request_id)
@@ -205,9 +213,49 @@ class Scheduler:
             )
             if self.connector is not None:
                 kv_saves += self.connector.saves(request, start + num_new, scheduled[-1].block_ids)
-            request.num_computed_tokens = start + num_new + len(drafts)
+            request.num_computed_tokens = start + num_new + len(drafts) + steps - 1
             request.num_pending_tokens += samples
-        return SchedulerOutput(scheduled, preempted, kv_saves)
+        return SchedulerOutput(scheduled, preempted, kv_saves, decode_steps=steps)
+
+    # A multi-iteration decode step is cut to about this long: the longest a request arriving meanwhile
+    # waits to be admitted, and the longest gap in a stream of tokens that its iterations cause.
+    DECODE_STEPS_WINDOW_S = 0.004
+
+    def _decode_steps(self) -> int:
+        """How many decode iterations this step runs back to back (1: the usual single forward).
+
+        At small batches a decode step is mostly host work around one short forward: scheduling,
+        input building, output processing. Where every running request is a plain decode, none waits
+        and no feature needs the host between tokens, the runner instead repeats the forward and
+        sampling ``k`` times, feeding each sampled token back in (see ``ModelRunner.execute``); the
+        scheduler reserves the ``k - 1`` further KV slots and the tokens come back together, the stop
+        rules applied to each in turn as for accepted drafts. Off (1) with speculative decoding, a KV
+        store, a step in flight (async scheduling), a structured-output request, and until one decode
+        iteration has been timed; ``k`` is then at most ``max_decode_steps``, what fits the
+        ``DECODE_STEPS_WINDOW_S`` window (the measured iteration scaled up linearly to a larger
+        batch), and every request's remaining ``max_tokens``.
+        """
+        limit = self.config.max_decode_steps
+        if (
+            limit == 1
+            or self.config.num_lookahead_tokens
+            or self.connector is not None
+            or self.waiting
+            or not self.running
+            or self.decode_iteration is None
+        ):
+            return 1
+        for r in self.running:
+            if (
+                r.num_pending_tokens
+                or r.num_tokens - r.num_computed_tokens != 1
+                or r.sampling_params.constrained
+            ):
+                return 1
+            limit = min(limit, r.max_tokens - r.num_output_tokens)
+        seconds, batch = self.decode_iteration
+        per_iteration = seconds * max(1.0, len(self.running) / batch)
+        return max(1, min(limit, int(self.DECODE_STEPS_WINDOW_S / max(per_iteration, 1e-9))))
 
     FEEDBACK_WINDOW = 64  # recent chunked steps whose measured / predicted times set the scale
     FEEDBACK_QUANTILE = 0.9
@@ -222,6 +270,8 @@ class Scheduler:
         the same step's time varies by ~30% at p99 on a busy host, so aiming the mean at the budget
         would overrun it every few steps. Ratios are clamped to [0.5, 3].
         """
+        if scheduled.requests and all(r.num_new_tokens == 1 for r in scheduled.requests):
+            self.decode_iteration = (seconds / scheduled.decode_steps, len(scheduled.requests))
         if self.config.step_time_budget_s is None or all(r.num_new_tokens == 1 for r in scheduled.requests):
             return
         work = [(r.num_new_tokens, r.num_computed_tokens) for r in scheduled.requests]
@@ -269,7 +319,9 @@ class Scheduler:
             if tokens is None or request is None:
                 continue
             request.num_pending_tokens = max(0, request.num_pending_tokens - 1)
-            request.num_computed_tokens -= scheduled.num_draft_tokens - (len(tokens) - 1)
+            # Positions computed ahead (drafts, further decode iterations) whose tokens were not emitted.
+            ahead = scheduled.num_draft_tokens + output.decode_steps - 1
+            request.num_computed_tokens -= ahead - (len(tokens) - 1)
             updated.append(request)
             for token in tokens:
                 request.append_output_token(token)

@@ -148,6 +148,14 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help="cut prompt chunks to this predicted step time (default: off)",
     )
     parser.add_argument("--async-scheduling", action="store_true", help="plan step N+1 while step N computes")
+    parser.add_argument(
+        "--max-decode-steps",
+        type=int,
+        default=1,
+        help="decode iterations one step may run back to back at small batches, cut to about 4 ms: "
+        "streams then get tokens in bursts of up to this many (default 1, one token per step, for even "
+        f"streaming; the offline engine's default is {_default(EngineConfig, 'max_decode_steps')})",
+    )
     from deepinfer.parallel.serve_args import add_parallel_arguments
 
     add_parallel_arguments(parser)
@@ -184,6 +192,7 @@ def engine_config(args: argparse.Namespace, model: Path) -> EngineConfig:
         "num_draft_tokens": args.num_draft_tokens,
         "step_time_budget_ms": args.step_time_budget_ms,
         "async_scheduling": args.async_scheduling or None,
+        "max_decode_steps": args.max_decode_steps,
         "deterministic": args.deterministic or None,
         "kv_store": kvstore_config_from_args(args),
     }

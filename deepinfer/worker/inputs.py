@@ -121,6 +121,37 @@ class InputBuilder:
             offsets[:-1].tolist(),
         )
 
+    def advance(self, inputs: StepInputs, tokens: list[int], iteration: int) -> StepInputs:
+        """The inputs of decode iteration ``iteration`` (>= 1) of a multi-iteration step
+        (``SchedulerOutput.decode_steps``), from its first iteration's ``inputs`` (decode requests
+        only, one token each): request ``i``'s token ``tokens[i]`` at its first position plus
+        ``iteration``. The block table is the first iteration's (the scheduler allocated the further
+        iterations' slots before it was built); host work is O(batch), independent of context length."""
+        d = inputs.meta.decode
+        if d is None or inputs.meta.prefill is not None or d.max_query_len != 1:
+            raise ValueError("advance() continues a decode-only step of one token per request")
+        bs, dev = self.block_size, self.device
+        positions = [r.num_computed_tokens + iteration for r in inputs.order]
+        slots = [r.block_ids[p // bs] * bs + p % bs for r, p in zip(inputs.order, positions)]
+        meta = AttentionMetadata(
+            torch.tensor(slots, dtype=torch.int64, device=dev),
+            DecodeMetadata(
+                num_tokens=d.num_tokens,
+                block_table=d.block_table,
+                seq_lens=torch.tensor([p + 1 for p in positions], dtype=torch.int32, device=dev),
+                query_start_loc=d.query_start_loc,
+                max_query_len=1,
+            ),
+            None,
+        )
+        return StepInputs(
+            torch.tensor(tokens, dtype=torch.int64, device=dev),
+            torch.tensor(positions, dtype=torch.int64, device=dev),
+            meta,
+            inputs.order,
+            inputs.token_offsets,
+        )
+
     def _context_tiles(
         self, rows: np.ndarray, context: np.ndarray, query_lens: np.ndarray
     ) -> tuple[ContextTile, ...]:

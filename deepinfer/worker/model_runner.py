@@ -102,14 +102,12 @@ class ModelRunner:
             masks = self.structured.start_masks(
                 [(r.request_id, first, drafts) for r, first, drafts in plan.spans], len(plan.rows)
             )
-        hidden = None
-        if self.graphs is not None and self.graphs.applicable(inputs.meta, inputs.input_ids.shape[0]):
-            hidden = self.graphs.forward(inputs.input_ids, inputs.positions, inputs.meta)
-        if hidden is None:
-            hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta, self.kv_caches)
+        hidden = self._forward(inputs)
         out = RunnerOutput()
         if plan.rows:
             self._sample_and_verify(plan, hidden, None if masks is None else masks.result(), out)
+        if scheduled.decode_steps > 1:
+            self._decode_further(inputs, scheduled.decode_steps, out)
         for i, r in enumerate(inputs.order):
             k = r.sampling_params.prompt_logprobs
             if k is not None and r.num_computed_tokens < r.num_prompt_tokens - 1:
@@ -126,6 +124,53 @@ class ModelRunner:
         if scheduled.kv_saves and self.kv_connector is not None:
             self.kv_connector.save_blocks(scheduled.kv_saves)  # blocks complete after this forward
         return out
+
+    def _forward(self, inputs: StepInputs) -> Tensor:
+        """The model's final hidden states [T, D] of a step: a graph replay where one applies."""
+        hidden = None
+        if self.graphs is not None and self.graphs.applicable(inputs.meta, inputs.input_ids.shape[0]):
+            hidden = self.graphs.forward(inputs.input_ids, inputs.positions, inputs.meta)
+        if hidden is None:
+            hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta, self.kv_caches)
+        return hidden
+
+    def _decode_further(self, inputs: StepInputs, steps: int, out: RunnerOutput) -> None:
+        """Iterations 2..``steps`` of a multi-iteration decode step (``Scheduler._decode_steps``):
+        each computes every request's last sampled token at its next position and samples the next,
+        appending to ``out``. A row is sampled exactly as in a step of its own: the tokens emitted
+        earlier in this step are its history after the request's output (``SamplingRow.drafts``), so
+        seeds, offsets, penalties and min_tokens see what separate steps would. Stops early once every
+        request has emitted a stop token (EOS or a stop token id, past min_tokens): the scheduler
+        drops tokens after a stop and rolls back the positions not computed."""
+        order = inputs.order
+        emitted = [out.sampled[r.request_id] for r in order]
+        for iteration in range(1, steps):
+            if all(self._stopped(r, tokens) for r, tokens in zip(order, emitted)):
+                return
+            step = self.inputs.advance(inputs, [tokens[-1] for tokens in emitted], iteration)
+            logits = self.model.compute_logits(self._forward(step))
+            rows = [
+                SamplingRow(
+                    r.request_id, r.sampling_params, r.seed, r.prompt_token_ids, r.output_token_ids, list(t)
+                )
+                for r, t in zip(order, emitted)
+            ]
+            result = sample_rows(logits, rows, self.eos_token_ids, self.penalties)
+            for r, tokens, token, logprobs in zip(order, emitted, result.token_ids, result.logprobs):
+                tokens.append(token)
+                if logprobs is not None:
+                    out.logprobs[r.request_id].append(logprobs)
+
+    def _stopped(self, r: ScheduledRequest, emitted: list[int]) -> bool:
+        """Whether one of the tokens this step emitted for ``r`` ends it (the scheduler's stop rules
+        for EOS and stop token ids)."""
+        p = r.sampling_params
+        for i, token in enumerate(emitted):
+            if len(r.output_token_ids) + i + 1 >= p.min_tokens and (
+                (token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids
+            ):
+                return True
+        return False
 
     def _sampling_plan(self, inputs: StepInputs) -> SamplingPlan:
         """One sampled row at each request's last real position and one at each of its drafts."""
