@@ -50,7 +50,9 @@ def assert_tokens_in_support(batch: tuple[torch.Tensor, ...], tokens: torch.Tens
     for i, token in enumerate(tokens.tolist()):
         row = logits[i].double()
         assert 0 <= token < vocab and torch.isfinite(row[token]), (i, token)
-        greedy = float(temperature[i]) < ops.MIN_SAMPLING_TEMPERATURE
+        # compared as the op compares: a float32 tensor against the threshold, which rounds it to float32
+        # (1e-5 in float32 is 9.99999997e-06: in double precision that value is below 1e-5, in float32 not)
+        greedy = bool(temperature[i] < ops.MIN_SAMPLING_TEMPERATURE)
         if greedy or int(top_k[i]) == 1 or float(top_p[i]) < 1e-6:
             if greedy:
                 assert row[token] == row.max(), (i, token, float(temperature[i]), float(top_p[i]))
