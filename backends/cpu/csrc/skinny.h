@@ -24,6 +24,8 @@
 #include <cstring>
 #include <type_traits>
 
+#include "common.h"
+
 #ifdef __AVX512F__
 #include <immintrin.h>
 #endif
@@ -72,9 +74,16 @@ inline void store16(W* p, __m512 v, __mmask16 mask) {
   }
 }
 
+// Weight rows ahead of the block being computed whose lines rows_block requests: a block's rows are
+// short (K of 64-512 here), too short for the hardware prefetcher to ramp up on, and at one activation
+// row the weight comes from memory (a decode step reads about 11 MB of weights, more than this host's
+// share of the L3 keeps); two blocks ahead covers the memory latency at the rate a block is computed.
+constexpr int64_t kPrefetchRows = 16;
+
 // Row layout: NR activation rows (1..4) x NC weight rows per pass over K, NR * NC independent
 // accumulators (at least 8 keeps both FMA pipes busy through their latency), each reduced across its
-// lanes at the end.
+// lanes at the end. Requests the lines of the rows kPrefetchRows ahead as it goes (a prefetch never
+// faults, so rows past the matrix's end cost nothing but the request).
 template <int NR, int NC, typename W>
 inline void rows_block(const float* x, int64_t ldx, const W* w, int64_t ldw, int64_t K, float* out, int64_t ldo) {
   __m512 acc[NR][NC];
@@ -83,6 +92,7 @@ inline void rows_block(const float* x, int64_t ldx, const W* w, int64_t ldw, int
   for (int64_t k = 0; k < K; k += 16) {
     const __mmask16 m = tail_mask(K - k);
     __m512 wv[NC];
+    for (int j = 0; j < NC; ++j) prefetch_line(w + (kPrefetchRows + j) * ldw + k);
     for (int j = 0; j < NC; ++j) wv[j] = load16(w + j * ldw + k, m);
     for (int r = 0; r < NR; ++r) {
       const __m512 xv = _mm512_maskz_loadu_ps(m, x + r * ldx + k);
@@ -97,6 +107,9 @@ template <int NR, typename W>
 inline void rows_range(const float* x, int64_t ldx, const W* w, int64_t ldw, int64_t K, int64_t c0, int64_t c1,
                        float* out, int64_t ldo) {
   constexpr int kWide = NR <= 2 ? 8 : 4;  // weight rows per pass: NR * kWide accumulators
+  constexpr int64_t kLine = 64 / sizeof(W);  // weights per cache line
+  for (int64_t c = c0; c < std::min(c1, c0 + kPrefetchRows); ++c)  // the rows the first blocks read
+    for (int64_t k = 0; k < K; k += kLine) prefetch_line(w + c * ldw + k);
   int64_t c = c0;
   for (; c + kWide <= c1; c += kWide) rows_block<NR, kWide>(x, ldx, w + c * ldw, ldw, K, out + c, ldo);
   for (; c < c1; ++c) rows_block<NR, 1>(x, ldx, w + c * ldw, ldw, K, out + c, ldo);
