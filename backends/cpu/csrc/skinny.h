@@ -115,7 +115,12 @@ inline void rows_range(const float* x, int64_t ldx, const W* w, int64_t ldw, int
   for (; c < c1; ++c) rows_block<NR, 1>(x, ldx, w + c * ldw, ldw, K, out + c, ldo);
 }
 
+// Weight rows (steps along K) ahead whose lines cols_block requests: its rows are ldw apart (the LM
+// head's vocabulary), a stride the hardware prefetcher does not follow far enough.
+constexpr int64_t kPrefetchCols = 8;
+
 // Column layout, NR activation rows x columns [c, c + n) with n <= 16 * V: NR * V accumulators.
+// Requests the block's lines kPrefetchCols steps ahead as it goes (past K: harmless requests).
 template <int NR, int V, typename W>
 inline void cols_block(const float* x, int64_t ldx, const W* w, int64_t ldw, int64_t K, int64_t c, int64_t n,
                        float* out, int64_t ldo) {
@@ -124,8 +129,12 @@ inline void cols_block(const float* x, int64_t ldx, const W* w, int64_t ldw, int
   for (int v = 0; v < V; ++v) m[v] = n > 16 * v ? tail_mask(n - 16 * v) : __mmask16(0);
   for (int r = 0; r < NR; ++r)
     for (int v = 0; v < V; ++v) acc[r][v] = _mm512_setzero_ps();
+  constexpr int64_t kLine = 64 / sizeof(W);  // weights per cache line
+  for (int64_t k = 0; k < std::min(K, kPrefetchCols); ++k)  // the rows the first steps read
+    for (int64_t i = 0; i < n; i += kLine) prefetch_line(w + k * ldw + c + i);
   for (int64_t k = 0; k < K; ++k) {
     __m512 wv[V];
+    for (int64_t i = 0; i < n; i += kLine) prefetch_line(w + (k + kPrefetchCols) * ldw + c + i);
     for (int v = 0; v < V; ++v) wv[v] = load16(w + k * ldw + c + 16 * v, m[v]);
     for (int r = 0; r < NR; ++r) {
       const __m512 xv = _mm512_set1_ps(x[r * ldx + k]);
