@@ -95,6 +95,17 @@ class SamplingParams(BaseModel):
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
+    def stop_reason(self, token: int, eos_token_ids: frozenset[int], num_output_tokens: int) -> str | None:
+        """Whether emitting ``token`` as output token number ``num_output_tokens`` (counting it) ends the
+        request on a token: "eos" (an EOS id, unless ignore_eos), "stop_token" (one of stop_token_ids),
+        or None; neither before min_tokens. The one statement of these rules: the scheduler applies
+        them, and the runner checks them to end a multi-iteration decode step early."""
+        if num_output_tokens < self.min_tokens:
+            return None
+        if token in eos_token_ids and not self.ignore_eos:
+            return "eos"
+        return "stop_token" if token in self.stop_token_ids else None
+
     @property
     def constrained(self) -> bool:
         """Structured output: the tokens must follow a regex, JSON schema, grammar or choice."""

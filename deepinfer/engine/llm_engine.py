@@ -146,8 +146,9 @@ class LLMEngine:
                 long_prefill_token_threshold=config.long_prefill_token_threshold or budget,
                 step_time_budget_s=config.step_time_budget_ms / 1e3 if config.step_time_budget_ms else None,
                 num_lookahead_tokens=self.num_draft_tokens,
+                # the scheduler itself turns them off with drafts or a KV store (Scheduler._decode_steps)
                 max_decode_steps=1
-                if config.async_scheduling or config.data_parallel_size > 1 or self.kv_connector is not None
+                if config.async_scheduling or config.data_parallel_size > 1
                 else config.max_decode_steps,
             ),
             self.kv_cache,

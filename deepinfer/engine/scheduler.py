@@ -332,11 +332,10 @@ class Scheduler:
         return updated
 
     def _check_stop(self, request: Request, token: int) -> bool:
-        params = request.sampling_params
-        may_stop = request.num_output_tokens >= params.min_tokens
-        if may_stop and token in request.eos_token_ids and not params.ignore_eos:
+        reason = request.sampling_params.stop_reason(token, request.eos_token_ids, request.num_output_tokens)
+        if reason == "eos":
             self._stop_running(request, RequestStatus.FINISHED_STOPPED, None)
-        elif may_stop and token in params.stop_token_ids:
+        elif reason == "stop_token":
             self._stop_running(request, RequestStatus.FINISHED_STOPPED, token)
         elif request.num_output_tokens >= request.max_tokens:
             self._stop_running(request, RequestStatus.FINISHED_LENGTH, None)

@@ -144,8 +144,9 @@ class ModelRunner:
         drops tokens after a stop and rolls back the positions not computed."""
         order = inputs.order
         emitted = [out.sampled[r.request_id] for r in order]
+        stopped = [self._stops(r, tokens) for r, tokens in zip(order, emitted)]
         for iteration in range(1, steps):
-            if all(self._stopped(r, tokens) for r, tokens in zip(order, emitted)):
+            if all(stopped):
                 return
             step = self.inputs.advance(inputs, [tokens[-1] for tokens in emitted], iteration)
             logits = self.model.compute_logits(self._forward(step))
@@ -156,21 +157,22 @@ class ModelRunner:
                 for r, t in zip(order, emitted)
             ]
             result = sample_rows(logits, rows, self.eos_token_ids, self.penalties)
-            for r, tokens, token, logprobs in zip(order, emitted, result.token_ids, result.logprobs):
+            for i, (r, tokens, token, logprobs) in enumerate(
+                zip(order, emitted, result.token_ids, result.logprobs)
+            ):
                 tokens.append(token)
+                stopped[i] = stopped[i] or self._stops(r, tokens[-1:], len(tokens) - 1)
                 if logprobs is not None:
                     out.logprobs[r.request_id].append(logprobs)
 
-    def _stopped(self, r: ScheduledRequest, emitted: list[int]) -> bool:
-        """Whether one of the tokens this step emitted for ``r`` ends it (the scheduler's stop rules
-        for EOS and stop token ids)."""
-        p = r.sampling_params
-        for i, token in enumerate(emitted):
-            if len(r.output_token_ids) + i + 1 >= p.min_tokens and (
-                (token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids
-            ):
-                return True
-        return False
+    def _stops(self, r: ScheduledRequest, tokens: list[int], first: int = 0) -> bool:
+        """Whether one of ``tokens``, emitted this step from its ``first``-th token on, ends ``r`` on a
+        token (``SamplingParams.stop_reason``)."""
+        emitted = len(r.output_token_ids) + first
+        return any(
+            r.sampling_params.stop_reason(t, self.eos_token_ids, emitted + i + 1) is not None
+            for i, t in enumerate(tokens)
+        )
 
     def _sampling_plan(self, inputs: StepInputs) -> SamplingPlan:
         """One sampled row at each request's last real position and one at each of its drafts."""

@@ -80,6 +80,10 @@ inline void store16(W* p, __m512 v, __mmask16 mask) {
 // share of the L3 keeps); two blocks ahead covers the memory latency at the rate a block is computed.
 constexpr int64_t kPrefetchRows = 16;
 
+// Weights of type W in one 64-byte cache line.
+template <typename W>
+constexpr int64_t kLineOf = 64 / sizeof(W);
+
 // Row layout: NR activation rows (1..4) x NC weight rows per pass over K, NR * NC independent
 // accumulators (at least 8 keeps both FMA pipes busy through their latency), each reduced across its
 // lanes at the end. Requests the lines of the rows kPrefetchRows ahead as it goes (a prefetch never
@@ -107,9 +111,8 @@ template <int NR, typename W>
 inline void rows_range(const float* x, int64_t ldx, const W* w, int64_t ldw, int64_t K, int64_t c0, int64_t c1,
                        float* out, int64_t ldo) {
   constexpr int kWide = NR <= 2 ? 8 : 4;  // weight rows per pass: NR * kWide accumulators
-  constexpr int64_t kLine = 64 / sizeof(W);  // weights per cache line
   for (int64_t c = c0; c < std::min(c1, c0 + kPrefetchRows); ++c)  // the rows the first blocks read
-    for (int64_t k = 0; k < K; k += kLine) prefetch_line(w + c * ldw + k);
+    for (int64_t k = 0; k < K; k += kLineOf<W>) prefetch_line(w + c * ldw + k);
   int64_t c = c0;
   for (; c + kWide <= c1; c += kWide) rows_block<NR, kWide>(x, ldx, w + c * ldw, ldw, K, out + c, ldo);
   for (; c < c1; ++c) rows_block<NR, 1>(x, ldx, w + c * ldw, ldw, K, out + c, ldo);
@@ -129,12 +132,11 @@ inline void cols_block(const float* x, int64_t ldx, const W* w, int64_t ldw, int
   for (int v = 0; v < V; ++v) m[v] = n > 16 * v ? tail_mask(n - 16 * v) : __mmask16(0);
   for (int r = 0; r < NR; ++r)
     for (int v = 0; v < V; ++v) acc[r][v] = _mm512_setzero_ps();
-  constexpr int64_t kLine = 64 / sizeof(W);  // weights per cache line
   for (int64_t k = 0; k < std::min(K, kPrefetchCols); ++k)  // the rows the first steps read
-    for (int64_t i = 0; i < n; i += kLine) prefetch_line(w + k * ldw + c + i);
+    for (int64_t i = 0; i < n; i += kLineOf<W>) prefetch_line(w + k * ldw + c + i);
   for (int64_t k = 0; k < K; ++k) {
     __m512 wv[V];
-    for (int64_t i = 0; i < n; i += kLine) prefetch_line(w + (k + kPrefetchCols) * ldw + c + i);
+    for (int64_t i = 0; i < n; i += kLineOf<W>) prefetch_line(w + (k + kPrefetchCols) * ldw + c + i);
     for (int v = 0; v < V; ++v) wv[v] = load16(w + k * ldw + c + 16 * v, m[v]);
     for (int r = 0; r < NR; ++r) {
       const __m512 xv = _mm512_set1_ps(x[r * ldx + k]);
