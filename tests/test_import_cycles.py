@@ -140,3 +140,40 @@ def test_the_cycle_finder_finds_cycles() -> None:
     assert "deepinfer.malloc_tuning" in graph["deepinfer.bench.peer"]
     assert _holds_op_table(modules["deepinfer.ops_cuda"])
     assert not _holds_op_table(modules["deepinfer.ops_cuda.sampling"])
+
+
+# Imports run down the process chain (ARCHITECTURE.md, conventions): a package never imports one of
+# the layers above it. What two layers share lives below both (``deepinfer.web`` for the HTTP
+# processes, ``deepinfer.core.load`` for the load report, ``deepinfer.engine.kv_connector`` for the
+# engine's hooks into the store).
+ABOVE = {
+    "deepinfer.server": {"deepinfer.router"},
+    "deepinfer.web": {"deepinfer.router", "deepinfer.server", "deepinfer.core", "deepinfer.engine"},
+    "deepinfer.core": {"deepinfer.router", "deepinfer.server", "deepinfer.web"},
+    "deepinfer.engine": {"deepinfer.router", "deepinfer.server", "deepinfer.web", "deepinfer.core"},
+    "deepinfer.worker": {"deepinfer.router", "deepinfer.server", "deepinfer.web", "deepinfer.core"},
+    "deepinfer.model": {"deepinfer.router", "deepinfer.server", "deepinfer.web", "deepinfer.core"},
+    "deepinfer.kvstore": {"deepinfer.router", "deepinfer.server", "deepinfer.core", "deepinfer.engine"},
+}
+
+
+def upward_imports(graph: dict[str, set[str]]) -> list[tuple[str, str]]:
+    """(module, imported module) pairs where a package imports a layer above it (``ABOVE``)."""
+
+    def package_of(module: str, packages) -> str | None:
+        return next((p for p in packages if module == p or module.startswith(p + ".")), None)
+
+    found = []
+    for module, targets in sorted(graph.items()):
+        package = package_of(module, ABOVE)
+        if package is None:
+            continue
+        found.extend((module, t) for t in sorted(targets) if package_of(t, ABOVE[package]))
+    return found
+
+
+def test_imports_run_down_the_process_chain() -> None:
+    assert upward_imports(import_graph(module_files())) == []
+    assert upward_imports({"deepinfer.server.app": {"deepinfer.router.load"}}) == [
+        ("deepinfer.server.app", "deepinfer.router.load")
+    ]

@@ -35,10 +35,10 @@ import zmq.asyncio
 
 from deepinfer.core import messages as m
 from deepinfer.core.launch import CoreHandle
+from deepinfer.core.load import combined_load
 from deepinfer.engine.detokenizer import IncrementalDetokenizer
 from deepinfer.logger import get_logger
 from deepinfer.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from deepinfer.router.load import combined_load
 from deepinfer.sampling_params import SamplingParams
 from deepinfer.tokenizer import Tokenizer
 

@@ -24,9 +24,9 @@ import zmq
 
 from deepinfer import envs
 from deepinfer.core import messages as m
+from deepinfer.core.load import CostModel, engine_load, kv_layout_fingerprint, step_cost_model
 from deepinfer.core.step_log import StepLog
 from deepinfer.logger import get_logger
-from deepinfer.router.load import CostModel, engine_load, kv_layout_fingerprint, step_cost_model
 from deepinfer.sampling_params import SamplingParams
 
 if TYPE_CHECKING:

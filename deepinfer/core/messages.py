@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import msgspec
 
-from deepinfer.router.load import CostModel, EngineLoad
+from deepinfer.core.load import CostModel, EngineLoad
 
 
 class AddRequest(msgspec.Struct, tag=True, frozen=True):
@@ -52,7 +52,7 @@ class Ready(msgspec.Struct, tag=True, frozen=True):
     block_size: int
     description: str  # platform, dtype, for the startup banner
     node_role: str = "both"  # the platform's node role: a worker's default role
-    kv_layout: str = ""  # KV layout fingerprint (deepinfer.router.load)
+    kv_layout: str = ""  # KV layout fingerprint (deepinfer.core.load)
     cost_model: CostModel | None = None  # the step cost model routers predict this core's work with
     kv_store_namespace: str = ""  # hex digest of its KV store namespace ("": no store)
     kv_shared_path: str = ""  # its KV store's shared tier ("": none): where handed-off blocks live

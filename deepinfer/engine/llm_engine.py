@@ -47,7 +47,7 @@ from deepinfer.worker.model_runner import ModelRunner, RunnerOutput
 from deepinfer.worker.spec_decode import ConfidenceHead, MTPProposer
 
 if TYPE_CHECKING:
-    from deepinfer.kvstore.connector import StoreConnector
+    from deepinfer.engine.kv_connector import StoreConnector
     from deepinfer.parallel.placement import ExpertShard
 
 logger = get_logger(__name__)
@@ -231,7 +231,7 @@ class LLMEngine:
 
     def _kv_store(self, folder: Path, tokenizer_dir: Path):
         """The KV store connector (deepinfer/kvstore), passed to the runner."""
-        from deepinfer.kvstore.connector import StoreConnector
+        from deepinfer.engine.kv_connector import StoreConnector
 
         if not self.config.enable_prefix_caching:
             raise ValueError(

@@ -23,7 +23,7 @@ from deepinfer.engine.request import Request, RequestStatus
 from deepinfer.engine.sched_output import PLACEHOLDER, ScheduledRequest, SchedulerOutput
 
 if TYPE_CHECKING:
-    from deepinfer.kvstore.connector import StoreConnector
+    from deepinfer.engine.kv_connector import StoreConnector
 
 
 @dataclass(frozen=True, slots=True)

@@ -10,6 +10,8 @@ what a prefill worker hands a decode worker's blocks through.
 Modules: ``keys`` (the versioned key namespace), ``record`` (the on-disk block format),
 ``retention`` (pure TTL and eviction policy, clock injected), ``host_tier`` / ``pack_tier`` (local
 disk: a pack file per write batch) / ``file_tier`` (shared mount: a file per block) (the tiers), ``store`` (the tiered store with asynchronous batched load/save and leases), ``metrics``
-(plain-data counters), ``connector`` (the engine's hooks), ``config`` (``KVStoreConfig``) and ``cli``.
-Importing this package imports nothing heavy; torch is needed only by the host tier and connector.
+(plain-data counters), ``config`` (``KVStoreConfig``) and ``cli``.
+The engine's side (the scheduler's and runner's hooks into a store) is
+``deepinfer.engine.kv_connector``; this package never imports the engine. Importing it imports nothing
+heavy; torch is needed only by the host tier.
 """

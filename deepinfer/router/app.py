@@ -17,20 +17,20 @@ import httpx
 import msgspec
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
+from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4 as CONTENT_TYPE
 from pydantic import BaseModel
 
 from deepinfer import __version__
+from deepinfer.core.load import model_fingerprint
 from deepinfer.router.config import RouterConfig
-from deepinfer.router.load import model_fingerprint
 from deepinfer.router.metrics import RouterMetrics
 from deepinfer.router.policies import DecodeLoad, prefill_policy
 from deepinfer.router.prefill_queue import PrefillQueue
 from deepinfer.router.proxy import Proxy
 from deepinfer.router.registry import Registry, WorkerRejected
 from deepinfer.router.stream import API_PATHS
-from deepinfer.server.errors import ApiError, Dialect
-from deepinfer.server.metrics import CONTENT_TYPE
 from deepinfer.tokenizer import Tokenizer
+from deepinfer.web.errors import ApiError, Dialect
 
 
 def model_folder(config: RouterConfig) -> str:

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from deepinfer.router.load import WorkerLoad
+from deepinfer.core.load import WorkerLoad
 from deepinfer.router.policies import WorkerView
 
 

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal, Protocol
 
-from deepinfer.router.roles import Role
+from deepinfer.core.roles import Role
 
 if TYPE_CHECKING:
     from deepinfer.engine.cost_model import StepCostModel

@@ -47,7 +47,7 @@ from starlette.datastructures import Headers
 from deepinfer.logger import get_logger
 from deepinfer.router.config import RouterConfig
 from deepinfer.router.estimate import estimate_request
-from deepinfer.router.handoff import Handoff, HandoffError, PrefillResult
+from deepinfer.router.handoff import Handoff, HandoffError
 from deepinfer.router.metrics import RouterMetrics
 from deepinfer.router.policies import (
     Direct,
@@ -62,9 +62,10 @@ from deepinfer.router.policies import (
 from deepinfer.router.prefill_queue import PrefillQueue, QueueFull
 from deepinfer.router.registry import Registry
 from deepinfer.router.stream import Api, EventSplitter, carries_output, dialect, error_events
-from deepinfer.server.errors import ApiError
-from deepinfer.server.sse import EventStreamResponse
 from deepinfer.tokenizer import Tokenizer
+from deepinfer.web.errors import ApiError
+from deepinfer.web.handoff import PrefillResult
+from deepinfer.web.sse import EventStreamResponse
 
 logger = get_logger(__name__)
 T = TypeVar("T")

@@ -19,11 +19,11 @@ from dataclasses import dataclass, field
 import httpx
 import msgspec
 
+from deepinfer.core.load import LOAD_PATH, WorkerLoad
+from deepinfer.core.roles import Role
 from deepinfer.logger import get_logger
-from deepinfer.router.load import LOAD_PATH, WorkerLoad
 from deepinfer.router.loadbook import LoadBook
 from deepinfer.router.metrics import RouterMetrics
-from deepinfer.router.roles import Role
 
 logger = get_logger(__name__)
 OPTION_ROLES = {"--prefill": Role.PREFILL, "--decode": Role.DECODE, "--both": Role.BOTH}

@@ -12,8 +12,8 @@ from __future__ import annotations
 import json
 from typing import Any, Literal
 
-from deepinfer.server.errors import ApiError, Dialect
-from deepinfer.server.sse import sse
+from deepinfer.web.errors import ApiError, Dialect
+from deepinfer.web.sse import sse
 
 Api = Literal["chat", "completions", "responses", "messages"]
 API_PATHS: dict[str, Api] = {

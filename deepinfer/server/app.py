@@ -12,15 +12,14 @@ from fastapi.openapi.utils import get_openapi
 
 from deepinfer import __version__
 from deepinfer.core.client import EngineClient
-from deepinfer.router import worker as router_worker
-from deepinfer.server import kv_transfer
+from deepinfer.server import kv_transfer, router_api
 from deepinfer.server.api import chat, completions, messages, ops, responses
 from deepinfer.server.config import ServerConfig
 from deepinfer.server.context import ServingContext
-from deepinfer.server.errors import install_error_handlers
 from deepinfer.server.metrics import ServerMetrics
 from deepinfer.server.middleware import RequestGuard
 from deepinfer.tokenizer import Tokenizer
+from deepinfer.web.errors import install_error_handlers
 
 
 def build_app(client: EngineClient, config: ServerConfig, tokenizer: Tokenizer | None) -> FastAPI:
@@ -43,9 +42,9 @@ def build_app(client: EngineClient, config: ServerConfig, tokenizer: Tokenizer |
         lifespan=lifespan,
     )
     app.state.serving = ServingContext(client, config, metrics, tokenizer)
-    for api in (chat, completions, responses, messages, ops, router_worker):
+    for api in (chat, completions, responses, messages, ops, router_api):
         app.include_router(api.router)
-    router_worker.role_gauge(metrics.registry, app.state.serving)
+    router_api.role_gauge(metrics.registry, app.state.serving)
     install_error_handlers(app)
     kv_transfer.install(app, app.state.serving, metrics.registry)  # its middleware runs inside the guard
     app.add_middleware(

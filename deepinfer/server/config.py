@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from deepinfer.router.roles import Role
+from deepinfer.core.roles import Role
 
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 

@@ -13,10 +13,10 @@ from deepinfer.core.client import EngineClient, EngineDead, QueueFull, RequestSt
 from deepinfer.recipe import ChatRecipe
 from deepinfer.sampling_params import SamplingParams
 from deepinfer.server.config import ServerConfig
-from deepinfer.server.errors import ApiError, field_path
 from deepinfer.server.metrics import ServerMetrics
 from deepinfer.server.validation import max_token_chars
 from deepinfer.tokenizer import Tokenizer
+from deepinfer.web.errors import ApiError, field_path
 
 
 @dataclass(frozen=True, slots=True)

@@ -25,8 +25,8 @@ from deepinfer.outputs import CompletionOutput, Logprob, RequestOutput
 from deepinfer.recipe import BlockDelta, ChatEvent, ParsedMessage, StopStringBuffer
 from deepinfer.sampling_params import SamplingParams
 from deepinfer.server.context import ServingContext
-from deepinfer.server.errors import ApiError
 from deepinfer.server.metrics import RequestMeter
+from deepinfer.web.errors import ApiError
 
 
 class FinishReason(enum.Enum):

@@ -45,14 +45,14 @@ from fastapi.responses import JSONResponse
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from deepinfer.core.roles import Role
 from deepinfer.engine.kv_cache_manager import hash_block
 from deepinfer.kvstore.file_tier import block_path, namespace_dir
 from deepinfer.kvstore.keys import store_key
 from deepinfer.kvstore.leases import LeaseTable, check_handoff_id, fsync_dir
 from deepinfer.logger import get_logger
-from deepinfer.router.handoff import DecodeOrder, PrefillOrder, PrefillResult
-from deepinfer.router.roles import Role
-from deepinfer.server.errors import ApiError, dialect_of
+from deepinfer.web.errors import ApiError, dialect_of
+from deepinfer.web.handoff import DecodeOrder, PrefillOrder, PrefillResult
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
@@ -206,7 +206,7 @@ class KVTransfer:
     # ------------------------------------------------------------------ the two sides
     def check(self, order: PrefillOrder | DecodeOrder) -> None:
         """``ApiError`` when this worker cannot take ``order`` (its role, no shared store, the deadline)."""
-        from deepinfer.router.worker import worker_role
+        from deepinfer.server.router_api import worker_role
 
         prefill = isinstance(order, PrefillOrder)
         role = worker_role(self.ctx)

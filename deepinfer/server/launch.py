@@ -205,7 +205,7 @@ def engine_config(args: argparse.Namespace, model: Path) -> EngineConfig:
 
 
 def server_config(args: argparse.Namespace, model: Path) -> ServerConfig:
-    from deepinfer.router.load import model_fingerprint  # numpy: not on the --help path
+    from deepinfer.core.load import model_fingerprint  # numpy: not on the --help path
 
     if args.api_key is not None:
         api_key = args.api_key
@@ -291,9 +291,9 @@ def _serve(
 
     from deepinfer.core.client import EngineClient
     from deepinfer.core.launch import CoreProcess, CoreSpec
-    from deepinfer.router.worker import Registration, advertised_url, worker_role
     from deepinfer.server.app import build_app
     from deepinfer.server.priority import CoreSpawner, lower_front_priority
+    from deepinfer.server.router_api import Registration, advertised_url, worker_role
     from deepinfer.server.runner import IdleTimeoutHttpToolsProtocol, Server, run
     from deepinfer.tokenizer import Tokenizer
 

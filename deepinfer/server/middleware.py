@@ -18,9 +18,9 @@ import time
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from deepinfer.server.errors import ApiError, dialect_of
 from deepinfer.server.validation import lone_surrogate
 from deepinfer.text_input import InvalidTextError, require_valid_text
+from deepinfer.web.errors import ApiError, dialect_of
 
 PROTECTED_PREFIXES = ("/v1/", "/docs", "/redoc", "/openapi.json")
 

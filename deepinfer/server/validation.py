@@ -12,7 +12,7 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
-from deepinfer.server.errors import field_path
+from deepinfer.web.errors import field_path
 
 # A JSON escape of a UTF-16 surrogate; a body without one cannot hold a lone surrogate.
 SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")

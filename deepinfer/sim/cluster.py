@@ -29,13 +29,13 @@ from typing import Literal
 
 import simpy
 
+from deepinfer.core.roles import Role
 from deepinfer.engine.kv_cache_manager import KVCacheManager
 from deepinfer.engine.request import Request
 from deepinfer.engine.scheduler import Scheduler, SchedulerConfig
 from deepinfer.router.config import RouterConfig
 from deepinfer.router.policies import TwoHop
 from deepinfer.router.prefill_queue import QueueFull
-from deepinfer.router.roles import Role
 from deepinfer.sampling_params import SamplingParams
 from deepinfer.sim.costs import ForwardCost
 from deepinfer.sim.routing import SimRouter

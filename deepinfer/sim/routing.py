@@ -4,7 +4,7 @@ Nothing here decides anything: :func:`deepinfer.router.policies.plan` picks the 
 worker, or prefill then decode) and the worker by the configured policies (estimated-compute for
 prompts, decode-load for decodes); :class:`deepinfer.router.loadbook.LoadBook` keeps the load views,
 merging each worker's last report (polled every ``poll_interval_s``, as the router polls ``GET
-/load``) with the router's own dispatches since; :func:`deepinfer.router.load.engine_load` reads a
+/load``) with the router's own dispatches since; :func:`deepinfer.core.load.engine_load` reads a
 simulated rank's scheduler exactly as the server reads its engine. The settings are the router's
 (:class:`~deepinfer.router.config.RouterConfig`). What this module adds is the wiring: one worker URL
 per simulated rank, and the calls the proxy makes (dispatched, first output, finished).
@@ -25,15 +25,15 @@ from typing import Protocol
 
 import simpy
 
+from deepinfer.core.load import CostModel, WorkerLoad, engine_load
+from deepinfer.core.roles import Role
 from deepinfer.engine.cost_model import StepCostModel
 from deepinfer.engine.kv_cache_manager import KVCacheManager
 from deepinfer.engine.scheduler import Scheduler
 from deepinfer.router.config import RouterConfig
-from deepinfer.router.load import CostModel, WorkerLoad, engine_load
 from deepinfer.router.loadbook import LoadBook
 from deepinfer.router.policies import DecodeLoad, Direct, RequestInfo, TwoHop, plan, prefill_policy
 from deepinfer.router.prefill_queue import PrefillQueue, QueueFull
-from deepinfer.router.roles import Role
 
 SHARED_STORE = "sim"  # every simulated rank hands KV through one shared store (DeepSeek's 3FS)
 

@@ -24,7 +24,7 @@ from deepinfer.worker.sampler import SamplingRow, sample_rows, top_logprobs
 from deepinfer.worker.spec_decode import MTPProposer
 
 if TYPE_CHECKING:
-    from deepinfer.kvstore.connector import StoreConnector
+    from deepinfer.engine.kv_connector import StoreConnector
 
 
 @dataclass(slots=True)

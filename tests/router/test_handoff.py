@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from deepinfer.router.handoff import Handoff, HandoffError, HandoffState, PrefillResult
+from deepinfer.router.handoff import Handoff, HandoffError, HandoffState
+from deepinfer.web.handoff import PrefillResult
 
 
 def result(hid: str = "h", expires: float = 50.0, layout: str = "L") -> PrefillResult:

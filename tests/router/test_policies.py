@@ -6,9 +6,10 @@ import json
 
 import pytest
 
+from deepinfer.core.load import CostModel, EngineLoad, PrefillWork, WorkerLoad
+from deepinfer.core.roles import Role, resolve_role
 from deepinfer.engine.cost_model import StepCostModel
 from deepinfer.router.balance import balance, lpt_makespan
-from deepinfer.router.load import CostModel, EngineLoad, PrefillWork, WorkerLoad
 from deepinfer.router.loadbook import LoadBook
 from deepinfer.router.policies import (
     DecodeLoad,
@@ -24,9 +25,8 @@ from deepinfer.router.policies import (
     plan,
     prefill_policy,
 )
-from deepinfer.router.roles import Role, resolve_role
 from deepinfer.router.stream import EventSplitter, carries_output, error_events
-from deepinfer.server.errors import ApiError
+from deepinfer.web.errors import ApiError
 
 MODEL = StepCostModel(1e-3, 1e-5, 1e-4, 1e-8, 1e-6, "test")
 

@@ -9,13 +9,13 @@ import random
 
 import pytest
 
+from deepinfer.core.load import CostModel, EngineLoad, WorkerLoad
+from deepinfer.core.roles import Role
 from deepinfer.engine.cost_model import StepCostModel
 from deepinfer.router.balance import balance
-from deepinfer.router.load import CostModel, EngineLoad, WorkerLoad
 from deepinfer.router.loadbook import LoadBook
 from deepinfer.router.policies import EstimatedCompute, RequestInfo
 from deepinfer.router.prefill_queue import PrefillQueue, QueueFull
-from deepinfer.router.roles import Role
 
 MODEL = StepCostModel(1e-3, 1e-5, 1e-4, 1e-9, 0.0, "test")  # 1,000 prompt tokens: ~0.1 s
 

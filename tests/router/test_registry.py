@@ -9,9 +9,9 @@ import httpx
 import msgspec
 import pytest
 
+from deepinfer.core.roles import Role
 from deepinfer.router.metrics import RouterMetrics
 from deepinfer.router.registry import Registry, WorkerRejected
-from deepinfer.router.roles import Role
 from tests.router.test_policies import report
 
 

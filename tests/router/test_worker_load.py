@@ -8,10 +8,10 @@ import msgspec
 import pytest
 
 from deepinfer.config import EngineConfig
+from deepinfer.core.load import LOAD_PATH, WorkerLoad, engine_load, model_fingerprint, step_cost_model
+from deepinfer.core.roles import Role
 from deepinfer.engine.llm_engine import LLMEngine
 from deepinfer.model_zoo import default_model_path
-from deepinfer.router.load import LOAD_PATH, WorkerLoad, engine_load, model_fingerprint, step_cost_model
-from deepinfer.router.roles import Role
 from deepinfer.sampling_params import SamplingParams
 from tests.server.conftest import start_server
 

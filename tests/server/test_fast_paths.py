@@ -12,7 +12,7 @@ from deepinfer.server.api.completions import CompletionRenderer
 from deepinfer.server.metrics import LATENCY_BUCKETS, TokenHistogram
 from deepinfer.server.protocol import chat as pc
 from deepinfer.server.protocol import completions as pcomp
-from deepinfer.server.sse import EventTemplate, sse
+from deepinfer.web.sse import EventTemplate, sse
 
 TEXTS = [
     "",

@@ -32,11 +32,11 @@ from deepinfer.server.api.common import (
 )
 from deepinfer.server.api.logprobs import chat_logprobs
 from deepinfer.server.context import ApiFields, traffic_class
-from deepinfer.server.errors import ApiError, Dialect
 from deepinfer.server.generation import ChatRun, ChoiceUpdate, Finish, FinishReason, Usage
 from deepinfer.server.protocol import chat as p
 from deepinfer.server.protocol.common import OpenAIUsage
-from deepinfer.server.sse import EventTemplate, sse
+from deepinfer.web.errors import ApiError, Dialect
+from deepinfer.web.sse import EventTemplate, sse
 
 router = APIRouter()
 

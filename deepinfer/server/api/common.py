@@ -23,12 +23,12 @@ from deepinfer.logger import get_logger
 from deepinfer.recipe import Message, ToolSpec
 from deepinfer.recipe import tokens as T
 from deepinfer.server.context import ApiFields, ServingContext
-from deepinfer.server.errors import ApiError
 from deepinfer.server.generation import ChoiceUpdate, Updates, Usage
 from deepinfer.server.protocol.common import CompletionTokensDetails, OpenAIUsage, PromptTokensDetails
-from deepinfer.server.sse import EventStreamResponse
 from deepinfer.server.validation import json_schema_error
 from deepinfer.structured.tool_calls import closed, tool_call_grammar
+from deepinfer.web.errors import ApiError
+from deepinfer.web.sse import EventStreamResponse
 
 TOOL_CALL_MARKERS = {
     "tool_calls_begin": T.TOOL_CALLS_BEGIN,

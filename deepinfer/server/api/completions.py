@@ -13,11 +13,11 @@ from deepinfer.recipe import BlockDelta
 from deepinfer.server.api.common import Serving, new_id, openai_usage, respond
 from deepinfer.server.api.logprobs import completion_logprobs
 from deepinfer.server.context import ApiFields, ServingContext, traffic_class
-from deepinfer.server.errors import ApiError, Dialect
 from deepinfer.server.generation import ChoiceUpdate, FinishReason, RunGroup, TextRun, Usage, total_usage
 from deepinfer.server.protocol import completions as p
-from deepinfer.server.sse import EventTemplate, sse
 from deepinfer.tokenizer import Tokenizer
+from deepinfer.web.errors import ApiError, Dialect
+from deepinfer.web.sse import EventTemplate, sse
 
 router = APIRouter()
 

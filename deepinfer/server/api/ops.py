@@ -13,12 +13,12 @@ from typing import Literal
 
 from fastapi import APIRouter
 from fastapi.responses import JSONResponse, Response
+from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4 as CONTENT_TYPE
 
-from deepinfer.router.worker import worker_role
 from deepinfer.server.api.common import Serving
-from deepinfer.server.errors import ApiError
-from deepinfer.server.metrics import CONTENT_TYPE
 from deepinfer.server.protocol.common import ResponseModel
+from deepinfer.server.router_api import worker_role
+from deepinfer.web.errors import ApiError
 
 router = APIRouter()
 STARTED = int(time.time())

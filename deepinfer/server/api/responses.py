@@ -38,10 +38,10 @@ from deepinfer.server.api.common import (
     respond,
 )
 from deepinfer.server.context import ApiFields, traffic_class
-from deepinfer.server.errors import ApiError, Dialect
 from deepinfer.server.generation import ChatRun, ChoiceUpdate, FinishReason, Usage
 from deepinfer.server.protocol import responses as p
-from deepinfer.server.sse import sse
+from deepinfer.web.errors import ApiError, Dialect
+from deepinfer.web.sse import sse
 
 router = APIRouter()
 

@@ -24,8 +24,8 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
+from deepinfer.core.roles import Role
 from deepinfer.engine.cost_model import StepCostModel, attention_pairs
-from deepinfer.router.roles import Role
 
 if TYPE_CHECKING:
     from deepinfer.engine.llm_engine import LLMEngine

@@ -1,5 +1,5 @@
 """The worker's side of the router protocol, mounted on ``deepinfer serve``: ``GET /load`` (the
-:class:`~deepinfer.router.load.WorkerLoad` routers poll; also their health check), the role gauge in
+:class:`~deepinfer.core.load.WorkerLoad` routers poll; also their health check), the role gauge in
 ``/metrics``, and self-registration with a router (``--register-with URL``).
 
 What it needs from the server: the ``ServingContext`` on ``app.state.serving`` (its ``client``:
@@ -24,9 +24,9 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from deepinfer.core.load import LOAD_PATH, WorkerLoad
+from deepinfer.core.roles import Role
 from deepinfer.logger import get_logger
-from deepinfer.router.load import LOAD_PATH, WorkerLoad
-from deepinfer.router.roles import Role
 
 logger = get_logger(__name__)
 REGISTER_PATH = "/router/register"
