@@ -123,6 +123,15 @@ ENV_VARS: dict[str, EnvVar] = {
             "Test suite: the platform the tests pin DEEPINFER_ACCELERATOR to (vendor CI runners set it).",
         ),
         EnvVar(
+            "DEEPINFER_CLUSTER_SECRET",
+            None,
+            str.strip,
+            "`deepinfer serve`, `router`, `cluster`: the secret the router and its workers share when "
+            "--cluster-secret-file is not given (at least 16 characters). The router proves itself to "
+            "workers with it; workers need it to register, and accept handoff orders, lease releases and "
+            "load polls only with it. `deepinfer cluster` makes one per run.",
+        ),
+        EnvVar(
             "DEEPINFER_API_KEY",
             None,
             str.strip,
