@@ -61,6 +61,14 @@ class LLM:
         ``prompts`` is a string, a list of strings, or a list of token-id lists; ``prompt_token_ids``
         is the explicit form of the latter. ``sampling_params`` is one SamplingParams for all prompts
         or one per prompt (default: ``SamplingParams()``).
+
+        String prompts are tokenized as written, control tokens included: ``"<｜User｜>hi"`` gives the
+        ``<｜User｜>`` token, so a chat template rendered to text keeps its markers. This differs from
+        the server's ``/v1/completions``, whose prompts come from clients and are encoded as plain
+        text unless a request sets ``parse_special_tokens``: offline, the prompt's author is the
+        program's. To encode untrusted text as plain text here, pass ``prompt_token_ids`` made with
+        ``deepinfer.recipe.tokens.plain_text_encoder(llm.get_tokenizer()).encode(text)`` (after the
+        BOS, where the model wants one).
         """
         texts, ids = _normalise_prompts(prompts, prompt_token_ids)
         for i, text in enumerate(texts):

@@ -39,7 +39,7 @@ from deepinfer.recipe.messages import (
     as_tools,
 )
 from deepinfer.recipe.parser import ChatOutputParser, ParsedMessage
-from deepinfer.recipe.tokens import ControlTokens, PlainTextEncoder
+from deepinfer.recipe.tokens import ControlTokens, plain_text_encoder
 from deepinfer.tokenizer import Tokenizer
 
 Part = int | str  # a control token id, or text to encode as plain text
@@ -68,7 +68,7 @@ class ChatRecipe:
             raise ValueError(
                 f"the tokenizer is not a DeepSeek chat tokenizer: it has no {', '.join(missing)}"
             )
-        self.text = PlainTextEncoder(tokenizer, self.control)
+        self.text = plain_text_encoder(tokenizer)
 
     @property
     def supports_thinking(self) -> bool:

@@ -14,6 +14,8 @@ non-special added tokens.
 from __future__ import annotations
 
 import json
+import threading
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -121,3 +123,18 @@ class PlainTextEncoder:
         if not texts:
             return []
         return [e.ids for e in self._tok.encode_batch(list(texts), add_special_tokens=False)]
+
+
+_ENCODERS: weakref.WeakKeyDictionary[Tokenizer, PlainTextEncoder] = weakref.WeakKeyDictionary()
+_ENCODERS_LOCK = threading.Lock()
+
+
+def plain_text_encoder(tokenizer: Tokenizer) -> PlainTextEncoder:
+    """The (cached, built once per tokenizer) :class:`PlainTextEncoder` of ``tokenizer``: what the chat
+    recipe encodes message text with, and ``/v1/completions`` raw prompts unless a request asks for
+    control-token parsing. Raises ``ValueError`` as the encoder does."""
+    with _ENCODERS_LOCK:
+        encoder = _ENCODERS.get(tokenizer)
+        if encoder is None:
+            encoder = _ENCODERS[tokenizer] = PlainTextEncoder(tokenizer, ControlTokens.of(tokenizer))
+        return encoder

@@ -10,6 +10,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from deepinfer.recipe import BlockDelta
+from deepinfer.recipe.tokens import plain_text_encoder
 from deepinfer.server.api.common import Serving, new_id, openai_usage, respond
 from deepinfer.server.api.logprobs import completion_logprobs
 from deepinfer.server.context import ApiFields, ServingContext, traffic_class
@@ -35,15 +36,30 @@ def _refuse_unsupported(body: p.CompletionRequest) -> None:
         raise ApiError(400, "logit_bias is not supported", param="logit_bias")
 
 
-def _encode_texts(tokenizer: Tokenizer, texts: list[str]) -> list[list[int]]:
-    """Token ids of raw prompts, in one parallel batch, with the BOS the tokenizer's config asks for."""
+def _encode_texts(tokenizer: Tokenizer, texts: list[str], parse_special_tokens: bool) -> list[list[int]]:
+    """Token ids of raw prompts, in one parallel batch, with the BOS the tokenizer's config asks for.
+    Control-token text is encoded as plain text unless ``parse_special_tokens``."""
+    if parse_special_tokens:
+        ids = [e.ids for e in tokenizer.backend.encode_batch(texts)]
+    else:
+        try:
+            ids = plain_text_encoder(tokenizer).encode_batch(texts)
+        except ValueError as exc:
+            raise ApiError(
+                400,
+                f"this tokenizer cannot encode control-token text as plain text ({exc}); send the prompt "
+                "as token ids, or set parse_special_tokens: true",
+                param="parse_special_tokens",
+            ) from None
     bos = tokenizer.bos_token_id if tokenizer.add_bos_token else None
-    ids = [e.ids for e in tokenizer.backend.encode_batch(texts)]
     return [[bos, *i] if bos is not None and (not i or i[0] != bos) else i for i in ids]
 
 
-async def tokenize_prompts(ctx: ServingContext, prompt: p.Prompt) -> list[list[int]]:
-    """The prompt(s) as token-id lists (token ids are checked against the vocabulary)."""
+async def tokenize_prompts(
+    ctx: ServingContext, prompt: p.Prompt, parse_special_tokens: bool = False
+) -> list[list[int]]:
+    """The prompt(s) as token-id lists (token ids are checked against the vocabulary; text is encoded
+    as plain text unless ``parse_special_tokens``)."""
     if isinstance(prompt, str):
         prompt = [prompt]
     if not prompt:
@@ -55,7 +71,7 @@ async def tokenize_prompts(ctx: ServingContext, prompt: p.Prompt) -> list[list[i
             raise ApiError(400, "this model has no tokenizer: send the prompt as token ids", param="prompt")
         for i, text in enumerate(prompt):
             ctx.check_text_length(len(text), f"prompt[{i}]" if len(prompt) > 1 else "prompt")
-        return await asyncio.to_thread(_encode_texts, ctx.tokenizer, list(prompt))
+        return await asyncio.to_thread(_encode_texts, ctx.tokenizer, list(prompt), parse_special_tokens)
     vocab_size = ctx.vocab_size
     for i, ids in enumerate(prompt):
         bad = [t for t in ids if t >= vocab_size]
@@ -83,7 +99,7 @@ async def create_completion(body: p.CompletionRequest, request: Request, ctx: Se
         },
         FIELDS,
     )
-    prompts = await tokenize_prompts(ctx, body.prompt)
+    prompts = await tokenize_prompts(ctx, body.prompt, body.parse_special_tokens)
     runs: list[TextRun] = []
     try:
         for ids in prompts:
@@ -93,10 +109,19 @@ async def create_completion(body: p.CompletionRequest, request: Request, ctx: Se
         for run in runs:
             run.close()
         raise
-    echo = [ctx.tokenizer.decode(ids) if ctx.tokenizer else "" for ids in prompts] if body.echo else None
+    echo = _echo_texts(ctx, body.prompt, prompts) if body.echo else None
     renderer = CompletionRenderer(runs, ctx.model_name, params.n, body.logprobs, echo, body.include_usage)
     group = runs[0] if len(runs) == 1 else RunGroup(runs, params.n)
     return await respond(request, group, renderer, bool(body.stream), FIELDS)
+
+
+def _echo_texts(ctx: ServingContext, prompt: p.Prompt, prompts: list[list[int]]) -> list[str]:
+    """What ``echo`` puts before each completion: a text prompt exactly as sent, token-id prompts
+    decoded (without special tokens)."""
+    texts = [prompt] if isinstance(prompt, str) else prompt
+    if all(isinstance(t, str) for t in texts):
+        return list(texts)
+    return [ctx.tokenizer.decode(ids) if ctx.tokenizer else "" for ids in prompts]
 
 
 class CompletionRenderer:

@@ -1,14 +1,17 @@
 """OpenAI Completions (``POST /v1/completions``): raw prompts in, text out.
 
-The prompt is a string, a list of strings, a list of token ids, or a list of token-id lists. It is
-tokenized as written: control tokens in a raw prompt are meant (unlike chat message text).
+The prompt is a string, a list of strings, a list of token ids, or a list of token-id lists. Prompt
+text is encoded as plain text, as the chat APIs encode message text: the characters of a control
+token (``<｜User｜>``, ``<｜end▁of▁sentence｜>`` ...) become ordinary text tokens, and only the BOS
+the model expects is added. A request that means control tokens sends them as token ids, or sets the
+extension field ``parse_special_tokens: true`` (vLLM's analogous knob is ``add_special_tokens``).
 """
 
 from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import Field
+from pydantic import Field, StrictBool
 
 from deepinfer.server.protocol.common import OpenAISampling, OpenAIUsage, ResponseModel
 
@@ -29,6 +32,13 @@ class CompletionRequest(OpenAISampling):
     echo: bool | None = False
     suffix: str | None = None
     best_of: int | None = Field(None, ge=1)
+    parse_special_tokens: StrictBool = Field(
+        False,
+        description=(
+            "deepinfer extension: true encodes control-token text in the prompt (such as "
+            "<｜User｜>) as the control tokens; false (default) encodes it as plain text"
+        ),
+    )
 
 
 class CompletionLogprobs(ResponseModel):
