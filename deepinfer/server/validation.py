@@ -1,6 +1,7 @@
 """Checks on request content made before any tokenizing: text that is not valid Unicode (a lone
 UTF-16 surrogate, which JSON can spell as ``"\\ud800"``), prompts with more characters than the
-context can possibly hold, and JSON schemas that the grammar backend cannot compile.
+context can possibly hold, and JSON schemas that the grammar backend cannot compile or that no finite
+value satisfies.
 
 Each returns what is wrong (and where) so the caller can answer 400 naming the field.
 """
@@ -12,6 +13,7 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
+from deepinfer.structured.satisfiable import unsatisfiable_reason
 from deepinfer.web.errors import field_path
 
 # A JSON escape of a UTF-16 surrogate; a body without one cannot hold a lone surrogate.
@@ -61,4 +63,6 @@ def json_schema_error(schema: dict[str, Any] | str) -> str | None:
     except ValueError as exc:
         return f"not a valid JSON schema: {exc}"
     is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, None)
-    return messages[0] if is_error else None
+    if is_error:
+        return messages[0]
+    return unsatisfiable_reason(json.loads(text))  # llguidance misses recursive contradictions

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from deepinfer.structured.constraint import Constraint
+from deepinfer.structured.satisfiable import unsatisfiable_reason
 
 
 class GrammarError(ValueError):
@@ -60,9 +61,15 @@ class LLGuidanceBackend(GrammarBackend):
             return m.grammar_from_regex(constraint.source)
         if constraint.kind == "json_schema":
             try:
-                return m.grammar_from_json_schema(constraint.source, defaults={"whitespace_flexible": False})
+                grammar = m.grammar_from_json_schema(
+                    constraint.source, defaults={"whitespace_flexible": False}
+                )
             except ValueError as exc:
                 raise GrammarError(f"json_schema is not a valid JSON object: {exc}") from None
+            problem = unsatisfiable_reason(json.loads(constraint.source))
+            if problem is not None:
+                raise GrammarError(f"json_schema cannot be enforced: {problem}")
+            return grammar
         if constraint.kind == "grammar":
             return m.grammar_from_lark(_to_lark(constraint.source))
         choices = json.loads(constraint.source)

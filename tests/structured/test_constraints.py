@@ -109,6 +109,21 @@ def test_unconstrained_requests_in_the_same_batch_are_unchanged(llm: LLM) -> Non
         ),
         (dict(regex="(unclosed"), "regex"),
         (dict(grammar="start: missing_rule"), "grammar"),
+        (  # recursive and required: llguidance compiles it, but no finite value exists
+            dict(
+                json_schema={
+                    "$defs": {
+                        "n": {
+                            "type": "object",
+                            "properties": {"next": {"$ref": "#/$defs/n"}},
+                            "required": ["next"],
+                        }
+                    },
+                    "$ref": "#/$defs/n",
+                }
+            ),
+            "json_schema cannot be enforced: no finite JSON value satisfies it: #/\\$defs/n can never be completed",
+        ),
     ],
 )
 def test_invalid_or_unsupported_constraints_are_rejected_by_name(
