@@ -19,6 +19,11 @@ class ServerConfig(BaseModel):
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535, description="0: any free port")
     api_key: str | None = Field(None, min_length=1, description="required from clients when set")
+    cluster_secret: str | None = Field(
+        None,
+        min_length=16,
+        description="the secret shared with routers (deepinfer.web.auth); handoff orders need it",
+    )
     max_queued_requests: int = Field(
         256, ge=0, description="requests that may wait for a free engine slot; beyond them: 429"
     )
