@@ -3,7 +3,11 @@
 
 A request body may carry ``kv_transfer``; :class:`KVTransferMiddleware` takes it out before the API
 route parses the body, and the route runs as usual, its engine request watched through
-:func:`observe` (called by ``ServingContext.admit``):
+:func:`observe` (called by ``ServingContext.admit``). Orders come only from a router: a request that
+carries one without the cluster key (``deepinfer.web.auth``: the ``x-deepinfer-cluster-key`` header
+holding this worker's ``cluster_secret``) is refused with 403 naming ``kv_transfer`` (a worker
+without a cluster secret takes no orders), and an order's times must be finite, its ``lease_s`` over
+0 and at most :data:`~deepinfer.web.handoff.MAX_LEASE_S` seconds (else 400 naming the field):
 
 - :class:`~deepinfer.router.handoff.PrefillOrder` (prefill- and both-role workers): the request runs
   as sent (the router asks for one token, not streamed). Its engine core saves the prompt's full
@@ -18,7 +22,9 @@ route parses the body, and the route runs as usual, its engine request watched t
   blocks by the prompt's own block hashes and loads them (a missing or corrupt block is a miss: it
   and the ones after it are recomputed, never read wrong). At the first output the load is over:
   this worker counts blocks loaded and recomputed and releases the lease in the store (the decode's
-  ack; idempotent).
+  ack; idempotent). The usage it answers with counts as cached only the prompt tokens the prefill
+  worker found cached (``DecodeOrder.num_cached_tokens``): the blocks the handoff delivered were
+  computed for this request, so they are not cache hits the client is billed as such.
 
 Leases end three ways: the decode's ack, ``POST /kv/release`` (the router, when a handoff ended
 without that ack) and expiry (an unreleased lease holds nothing past ``lease_expires_unix``; the
@@ -31,12 +37,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import math
 import os
 import socket
 import time
 from collections.abc import Iterator
 from contextvars import ContextVar
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -51,8 +58,9 @@ from deepinfer.kvstore.file_tier import block_path, namespace_dir
 from deepinfer.kvstore.keys import store_key
 from deepinfer.kvstore.leases import LeaseTable, check_handoff_id, fsync_dir
 from deepinfer.logger import get_logger
+from deepinfer.web.auth import CLUSTER_KEY_HEADER, has_cluster_key
 from deepinfer.web.errors import ApiError, dialect_of
-from deepinfer.web.handoff import DecodeOrder, PrefillOrder, PrefillResult
+from deepinfer.web.handoff import MAX_LEASE_S, DecodeOrder, PrefillOrder, PrefillResult
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
@@ -91,10 +99,15 @@ _current: ContextVar[_Transfer | None] = ContextVar("deepinfer_kv_transfer", def
 
 
 class _Tap:
-    """A ``RequestStream`` that also records its first and last output (and calls ``on_first``)."""
+    """A ``RequestStream`` that also records its first and last output (and calls ``on_first``);
+    with ``cached_tokens`` set (a decode), the outputs it hands on report that many cached prompt
+    tokens (at most the prompt's length) instead of the engine's count (see the module docstring)."""
 
-    def __init__(self, stream: RequestStream, watch: _Watch, on_first) -> None:
+    def __init__(
+        self, stream: RequestStream, watch: _Watch, on_first, cached_tokens: int | None = None
+    ) -> None:
         self._stream, self._watch, self._on_first = stream, watch, on_first
+        self._cached_tokens = cached_tokens
         self.request_id = stream.request_id
 
     async def accepted(self) -> None:
@@ -109,7 +122,9 @@ class _Tap:
             self._watch.first = output
             self._on_first(self._watch)
         self._watch.final = output
-        return output
+        if self._cached_tokens is None:
+            return output
+        return replace(output, num_cached_tokens=min(self._cached_tokens, len(output.prompt_token_ids)))
 
     def close(self) -> None:
         self._stream.close()
@@ -129,9 +144,10 @@ def observe(prompt_token_ids: list[int], params: SamplingParams, stream: Request
         return stream
     watch = _Watch(list(prompt_token_ids), params)
     transfer.watches.append(watch)
-    decode = isinstance(transfer.order, DecodeOrder)
-    on_first = (lambda w: transfer.kvt.decoded(transfer.order, w)) if decode else (lambda w: None)
-    return _Tap(stream, watch, on_first)  # type: ignore[return-value]  # the same interface
+    if isinstance(transfer.order, DecodeOrder):
+        order = transfer.order
+        return _Tap(stream, watch, lambda w: transfer.kvt.decoded(order, w), order.num_cached_tokens)  # type: ignore[return-value]
+    return _Tap(stream, watch, lambda w: None)  # type: ignore[return-value]  # the same interface
 
 
 class KVTransfer:
@@ -337,10 +353,11 @@ class KVTransferMiddleware:
         raw = await _read_body(receive)
         order, body = None, None
         if b'"kv_transfer"' in raw:
-            with contextlib.suppress(ValueError):
+            with contextlib.suppress(ValueError, RecursionError):  # not JSON: the route answers 400
                 body = json.loads(raw)
         if isinstance(body, dict) and "kv_transfer" in body:
             try:
+                _authorise(scope, self.kvt.ctx.config.cluster_secret)
                 order = _order(body.pop("kv_transfer"))
                 self.kvt.check(order)
             except ApiError as exc:
@@ -372,14 +389,49 @@ class KVTransferMiddleware:
         await JSONResponse(answer)(scope, receive, send)
 
 
+def _authorise(scope, secret: str | None) -> None:
+    """``ApiError`` 403 unless the request carries the cluster key (only a router sends orders)."""
+    headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+    if has_cluster_key(headers, secret):
+        return
+    why = (
+        "this worker has no cluster secret (--cluster-secret-file or DEEPINFER_CLUSTER_SECRET), so it takes none"
+        if secret is None
+        else f"the request has no valid {CLUSTER_KEY_HEADER} header"
+    )
+    raise ApiError(
+        403, f"kv_transfer: handoff orders are accepted only from a router holding the cluster secret; {why}",
+        param="kv_transfer",
+    )  # fmt: skip
+
+
 def _order(value: object) -> PrefillOrder | DecodeOrder:
+    """The order in a body's ``kv_transfer``, checked (see the module docstring); else a 400 naming
+    the field."""
     kind = DecodeOrder if isinstance(value, dict) and "block_keys" in value else PrefillOrder
     try:
         order = msgspec.convert(value, kind)
         check_handoff_id(order.handoff_id)
     except (msgspec.ValidationError, ValueError) as exc:
         raise ApiError(400, f"kv_transfer: {exc}", param="kv_transfer") from None
+    times = ("deadline_unix", "lease_s") if kind is PrefillOrder else ("deadline_unix", "lease_expires_unix")
+    for name in times:
+        if not math.isfinite(getattr(order, name)):
+            _invalid(name, f"{getattr(order, name)!r} is not a finite number")
+    if isinstance(order, PrefillOrder) and not 0 < order.lease_s <= MAX_LEASE_S:
+        _invalid(
+            "lease_s", f"{order.lease_s:g} s is out of range; accepted: over 0 and at most {MAX_LEASE_S:g} s"
+        )
+    if isinstance(order, DecodeOrder) and not 0 <= order.num_cached_tokens <= order.num_prompt_tokens:
+        _invalid(
+            "num_cached_tokens",
+            f"{order.num_cached_tokens} is out of range; accepted: 0 to num_prompt_tokens ({order.num_prompt_tokens})",
+        )
     return order
+
+
+def _invalid(name: str, why: str) -> None:
+    raise ApiError(400, f"kv_transfer.{name}: {why}", param=f"kv_transfer.{name}")
 
 
 async def _read_body(receive) -> bytes:

@@ -8,13 +8,17 @@ from __future__ import annotations
 
 import msgspec
 
+# The longest lease a worker grants (seconds): a lease holds blocks against eviction, so a worker refuses
+# an order asking for more (the router's --kv-lease-s is bounded by it too).
+MAX_LEASE_S = 600.0
+
 
 class PrefillOrder(msgspec.Struct, frozen=True):
     """``kv_transfer`` in the body sent to the prefill worker."""
 
     handoff_id: str
-    deadline_unix: float  # the client request's deadline: no work past it
-    lease_s: float  # how long the store holds the blocks for decode
+    deadline_unix: float  # the client request's deadline: no work past it (finite)
+    lease_s: float  # how long the store holds the blocks for decode: finite, > 0, <= MAX_LEASE_S
 
 
 class PrefillResult(msgspec.Struct, frozen=True):
@@ -36,7 +40,7 @@ class DecodeOrder(msgspec.Struct, frozen=True):
     first_token_id: int
     block_keys: list[str]
     num_prompt_tokens: int
-    num_cached_tokens: int
+    num_cached_tokens: int  # the prefill's cache hits: what the decode worker's usage reports as cached
     kv_layout: str
     lease_expires_unix: float
     deadline_unix: float
