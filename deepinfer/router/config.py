@@ -6,6 +6,8 @@ from __future__ import annotations
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from deepinfer.router.policies import PolicyName
+from deepinfer.server.config import ServerConfig
+from deepinfer.web.handoff import MAX_LEASE_S
 
 
 class RouterConfig(BaseModel):
@@ -53,7 +55,20 @@ class RouterConfig(BaseModel):
     request_timeout_s: float = Field(600.0, gt=0, description="each request's deadline, retries included")
     max_attempts: int = Field(3, ge=1, description="workers tried per request")
     kv_lease_s: float = Field(
-        30.0, gt=0, description="how long a prefill worker holds handed-off KV blocks for the decode worker"
+        30.0,
+        gt=0,
+        le=MAX_LEASE_S,
+        description="how long a prefill worker holds handed-off KV blocks for the decode worker",
+    )
+    max_request_bytes: int = Field(
+        ServerConfig.model_fields["max_request_bytes"].default,
+        ge=1024,
+        description="larger request bodies: 413, before they are read whole (as deepinfer serve)",
+    )
+    body_timeout_s: float = Field(
+        ServerConfig.model_fields["body_timeout_s"].default,
+        gt=0,
+        description="a request body must arrive within this time: 408 (as deepinfer serve)",
     )
     startup_timeout_s: float = Field(30.0, gt=0, description="how long to wait for the workers at startup")
     log_level: str = "info"
