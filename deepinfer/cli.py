@@ -444,7 +444,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "plan":
         from deepinfer.sim.cli import plan
 
-        return plan(args)
+        try:
+            return plan(args)
+        except (ValueError, OSError) as exc:  # pydantic's ValidationError is a ValueError
+            return user_error("deepinfer plan", exc)
     parser.error(f"unknown command {args.command}")
     return 2
 

@@ -47,17 +47,24 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def plan(args: argparse.Namespace) -> int:
+    """Run ``deepinfer plan``. Bad input (a missing or malformed file, an invalid value, an unknown
+    chip, model or scenario) raises ValueError, KeyError or OSError with a one-line message naming
+    the file, field or flag: ``deepinfer.cli`` prints it and exits 2. When no deployment meets the
+    SLO it prints the closest one and exits 1."""
     command = getattr(args, "plan_command", None)
     if command is not None:
         return PLAN_SUBCOMMANDS[command][2](args)
     if args.scenario:
         from deepinfer.sim.scenario import format_scenario, run_scenario
 
-        result = run_scenario(args.scenario)
+        try:
+            result = run_scenario(args.scenario)
+        except ValueError as exc:
+            raise ValueError(f"--scenario: {exc}") from None
         print(json.dumps(result) if args.json else format_scenario(result))
         return 0
     if not args.workload or not args.slo:
-        raise SystemExit("deepinfer plan: give --workload W.yaml --slo ... (or --scenario NAME)")
+        raise ValueError("give --workload W.yaml --slo ... (or --scenario NAME)")
     from deepinfer.sim.planner import (
         NoDeploymentMeetsSLO,
         Planner,
@@ -68,25 +75,34 @@ def plan(args: argparse.Namespace) -> int:
     )
     from deepinfer.sim.workload import WorkloadSpec
 
+    figure = Path(args.plot)
+    if not figure.parent.is_dir():
+        raise ValueError(f"--plot {figure}: the folder {figure.parent} does not exist")
+    spec = WorkloadSpec.load(args.workload)
     try:
-        spec = WorkloadSpec.load(args.workload)
-        options = {
-            "seed": args.seed,
-            "usd_per_chip_hour": args.usd_per_chip_hour,
-            "usd_per_tb_day": args.usd_per_tb_day,
-        }
-        if args.max_simulations is not None:
-            options["max_simulations"] = args.max_simulations
-        planner = Planner(spec, args.chip, parse_slo(args.slo), PlanOptions(**options))
+        slo = parse_slo(args.slo)
+    except ValueError as exc:
+        raise ValueError(f"--slo: {exc}") from None
+    options = {
+        "seed": args.seed,
+        "usd_per_chip_hour": args.usd_per_chip_hour,
+        "usd_per_tb_day": args.usd_per_tb_day,
+    }
+    if args.max_simulations is not None:
+        options["max_simulations"] = args.max_simulations
+    plan_options = PlanOptions(**options)
+    try:
+        planner = Planner(spec, args.chip, slo, plan_options)
+    except KeyError as exc:
+        raise ValueError(f"--chip: {exc.args[0]}") from None
+    try:
         report = planner.plan()
-    except (ValueError, KeyError) as exc:
-        raise SystemExit(f"deepinfer plan: {exc.args[0] if exc.args else exc}") from None
     except NoDeploymentMeetsSLO as exc:
         if args.json:
             print(json.dumps({"error": str(exc), "closest": exc.closest}))
         raise SystemExit(f"deepinfer plan: {exc}") from None
     context = int(report["simulation"]["prompt_tokens"] / max(1, report["simulation"]["requests_finished"]))
-    plot(report, Path(args.plot), decode_pareto(planner, context))
+    plot(report, figure, decode_pareto(planner, context))
     report["plot"] = args.plot
     print(json.dumps(report) if args.json else format_plan(report))
     return 0

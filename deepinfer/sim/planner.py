@@ -85,8 +85,12 @@ class PlanOptions(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    usd_per_chip_hour: float | None = Field(None, gt=0, description="rental price; None: the SKU table's")
-    usd_per_tb_day: float | None = Field(None, ge=0, description="KV storage price; None: storage not priced")
+    usd_per_chip_hour: float | None = Field(
+        None, gt=0, allow_inf_nan=False, description="rental price; None: the SKU table's"
+    )
+    usd_per_tb_day: float | None = Field(
+        None, ge=0, allow_inf_nan=False, description="KV storage price; None: storage not priced"
+    )
     host_gb_per_chip: float = Field(256, ge=0, description="host DRAM for the KV host tier, per prefill chip")
     host_read_bytes_per_s: float = Field(50e9, gt=0, description="host -> device (PCIe 5 x16, ~64 GB/s peak)")
     store_tb_options: list[float] | None = Field(None, description="total store sizes; None: 3 derived sizes")
@@ -459,9 +463,7 @@ class Planner:
         storage = (
             d.store_tb * self.options.usd_per_tb_day if self.options.usd_per_tb_day is not None else None
         )
-        ceiling = (
-            best.goodput_per_chip * d.decode_chips * day
-        )  # tokens/day at the simulated peak rate per chip
+        ceiling = daily_output_capacity(best.goodput_per_chip, d.chips)
         return {
             "deployment": asdict(d) | {"description": d.describe(), "chips": d.chips},
             "slo": self.slo,
@@ -499,6 +501,14 @@ class Planner:
             ],
             "elapsed_s": elapsed,
         }  # fmt: skip
+
+
+def daily_output_capacity(output_tokens_per_s_per_chip: float, chips: int) -> float:
+    """Output tokens a day at the rate a deployment of ``chips`` chips sustained at the simulated peak
+    hour. The simulation's per-chip rate divides by every chip the simulated ranks stand for,
+    prefill and decode (:meth:`Planner.simulate`), so it scales back by all of the deployment's
+    chips: 100 tok/s per chip on 24 prefill + 8 decode chips is 100 x 32 x 86,400 = 276.48 M a day."""
+    return output_tokens_per_s_per_chip * chips * 86400
 
 
 def _growth(miss: float) -> float:

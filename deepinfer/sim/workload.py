@@ -24,7 +24,7 @@ import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -39,7 +39,7 @@ class LengthDist(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     kind: Literal["fixed", "uniform", "exponential", "lognormal"] = "fixed"
-    mean: float | None = Field(None, gt=0)
+    mean: float | None = Field(None, gt=0, allow_inf_nan=False)
     sigma: float = Field(1.0, gt=0)
     low: float = Field(1, ge=0)
     high: float = Field(float("inf"), gt=0)
@@ -75,14 +75,16 @@ class TrafficClass(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     name: str = Field(min_length=1)
-    rate_per_s: float = Field(gt=0, description="mean requests per second (at a time-of-day factor of 1)")
-    time_of_day: list[float] | None = Field(
+    rate_per_s: float = Field(
+        gt=0, allow_inf_nan=False, description="mean requests per second (at a time-of-day factor of 1)"
+    )
+    time_of_day: list[Annotated[float, Field(allow_inf_nan=False)]] | None = Field(
         None, min_length=24, max_length=24, description="24 hourly rate factors (UTC hours 0..23)"
     )
     system_prompts: int = Field(1, ge=1, description="distinct shared prefixes (system prompt, tools)")
     system_prompt_zipf: float = Field(1.0, ge=0, description="Zipf exponent of their popularity")
     system_prompt_tokens: LengthDist
-    turns_per_session: float = Field(1.0, ge=1, description="mean turns (geometric)")
+    turns_per_session: float = Field(1.0, ge=1, allow_inf_nan=False, description="mean turns (geometric)")
     revisit_gap_s: LengthDist = LengthDist(kind="fixed", mean=60.0)
     input_tokens: LengthDist
     output_tokens: LengthDist
@@ -121,16 +123,25 @@ class WorkloadSpec(BaseModel):
 
     @classmethod
     def load(cls, path: str | Path) -> WorkloadSpec:
+        """The spec in a YAML file; a ValueError of one line names the file and what is wrong in it."""
         import yaml
+
+        from deepinfer.sim.spec_errors import validation_problems, yaml_problem
 
         try:
             raw = yaml.safe_load(Path(path).read_text())
         except FileNotFoundError:
             raise ValueError(f"workload file {path} does not exist") from None
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ValueError(
+                f"workload file {path} cannot be read: {getattr(exc, 'strerror', None) or exc}"
+            ) from None
+        except yaml.YAMLError as exc:
+            raise ValueError(f"workload file {path} is not valid YAML: {yaml_problem(exc)}") from None
         try:
             return cls.model_validate(raw)
         except ValidationError as exc:
-            raise ValueError(f"invalid workload {path}: {exc}") from None
+            raise ValueError(f"invalid workload {path}: {validation_problems(exc, cls)}") from None
 
     @property
     def rate_per_s(self) -> float:

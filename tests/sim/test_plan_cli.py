@@ -1,0 +1,149 @@
+"""``deepinfer plan`` as a user runs it (issue 34, defect 20): every bad input is one line naming the
+file, field or flag and what it accepts, exit code 2, no traceback; and the daily output capacity
+of the chosen deployment counts all of its chips (it was multiplied by the decode chips only, so a
+plan reported more output a day than its capacity)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from deepinfer.sim.planner import Planner, daily_output_capacity, parse_slo
+from deepinfer.sim.workload import WorkloadSpec
+from tests.conftest import REPO_ROOT
+from tests.sim.test_planner import FAST, small
+
+TINY_MODEL = REPO_ROOT / "deepinfer" / "models" / "deepinfer-tiny-coder"
+GOOD_CLASS = (
+    "    input_tokens: {mean: 10}\n    output_tokens: {mean: 10}\n    system_prompt_tokens: {mean: 10}\n"
+)
+
+
+def deepinfer_plan(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "deepinfer.cli", "plan", *args],
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+
+
+def workload(tmp_path: Path, text: str) -> str:
+    path = tmp_path / "w.yaml"
+    path.write_text(text)
+    return str(path)
+
+
+BAD_WORKLOADS = {
+    "missing file": (None, "does not exist"),
+    "a folder": ("", "cannot be read: Is a directory"),
+    "broken YAML": ("classes: [\n", "is not valid YAML: expected the node content, but found '<stream end>' at line 2"),
+    "empty file": ("", "the top level: must be a mapping of fields (got NoneType)"),
+    "not a mapping": ("just a string\n", "the top level: must be a mapping of fields (got str)"),
+    "wrong type": (f"classes:\n  - name: chat\n    rate_per_s: abc\n{GOOD_CLASS}",
+                   "classes[0].rate_per_s: Input should be a valid number"),
+    "out of range": (f"classes:\n  - name: chat\n    rate_per_s: -1\n{GOOD_CLASS}",
+                     "classes[0].rate_per_s: Input should be greater than 0 (got -1)"),
+    "not finite": (f"classes:\n  - name: chat\n    rate_per_s: .inf\n{GOOD_CLASS}",
+                   "classes[0].rate_per_s: Input should be a finite number (got inf)"),
+    "missing fields": ("classes:\n  - name: chat\n    rate_per_s: 1\n", "classes[0].system_prompt_tokens: required"),
+    "unknown field": (f"classes:\n  - name: chat\n    rate_per_s: 1\n    bogus: 3\n{GOOD_CLASS}",
+                      "classes[0].bogus: unknown field; known: name, rate_per_s,"),
+}  # fmt: skip
+
+
+def _one_line_error(proc: subprocess.CompletedProcess, expected: str, prog: str = "deepinfer plan") -> None:
+    assert proc.returncode == 2, (proc.returncode, proc.stderr)
+    assert "Traceback" not in proc.stderr and "pydantic" not in proc.stderr, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"{prog}: error: "), proc.stderr
+    assert expected in lines[0], lines[0]
+
+
+@pytest.mark.parametrize(("text", "expected"), BAD_WORKLOADS.values(), ids=BAD_WORKLOADS.keys())
+def test_bad_workload_files(tmp_path: Path, text: str | None, expected: str) -> None:
+    if text is None:
+        path = str(tmp_path / "nope.yaml")
+    elif expected.startswith("cannot be read"):
+        path = str(tmp_path)
+    else:
+        path = workload(tmp_path, text)
+    proc = deepinfer_plan("--workload", path, "--slo", "ttft_p99=2s")
+    _one_line_error(
+        proc, f"{path} {expected}" if not expected.startswith(("the top", "classes")) else expected
+    )
+    assert path in proc.stderr
+
+
+BAD_FLAGS = {
+    "unknown scenario": (["--scenario", "nope"], "--scenario: unknown scenario 'nope'; known: deepseek-2026"),
+    "no SLO": (["--workload", "W"], "give --workload W.yaml --slo"),
+    "bad SLO": (["--workload", "W", "--slo", "latency=2s"], "--slo: unknown SLO metric 'latency'; known: ttft_mean"),
+    "unknown chip": (["--workload", "W", "--slo", "ttft_p99=2s", "--chip", "tpu9"],
+                     "--chip: unknown chip 'tpu9'; known chips: ascend950dt"),
+    "no price": (["--workload", "W", "--slo", "ttft_p99=2s", "--chip", "h200"], "pass --usd-per-chip-hour"),
+    "zero simulations": (["--workload", "W", "--slo", "ttft_p99=2s", "--max-simulations", "0"],
+                         "--max-simulations: Input should be greater than or equal to 1 (got 0)"),
+    "NaN price": (["--workload", "W", "--slo", "ttft_p99=2s", "--usd-per-chip-hour", "nan"],
+                  "--usd-per-chip-hour: Input should be a finite number (got nan)"),
+    "plot folder": (["--workload", "W", "--slo", "ttft_p99=2s", "--plot", "/nonexistent/p.png"],
+                    "--plot /nonexistent/p.png: the folder /nonexistent does not exist"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize(("args", "expected"), BAD_FLAGS.values(), ids=BAD_FLAGS.keys())
+def test_bad_flags(tmp_path: Path, args: list[str], expected: str) -> None:
+    good = workload(tmp_path, json.dumps(small().model_dump()))
+    _one_line_error(deepinfer_plan(*[good if a == "W" else a for a in args]), expected)
+
+
+BAD_MEMORY = {
+    "no config": (["--model", "/nonexistent"], "--model /nonexistent: no config.json there"),
+    "not JSON": (["--model", "{bad}"], "config.json is not valid JSON"),
+    "not an object": (["--model", "{list}"], "config.json must hold a JSON object of model settings"),
+    "unknown model type": (["--model", "{empty}"], "model_type=None is not supported; supported: deepseek_v3"),
+    "EP zero": (["--model", str(TINY_MODEL), "--ep", "0"], "--ep must be >= 1, got 0"),
+    "EP not dividing": (["--model", str(TINY_MODEL), "--ep", "32"], "--ep 32: 16 routed experts"),
+    "negative seqs": (["--model", str(TINY_MODEL), "--ep", "8", "--max-num-seqs", "-1"],
+                      "--max-num-seqs must be >= 1, got -1"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize(("args", "expected"), BAD_MEMORY.values(), ids=BAD_MEMORY.keys())
+def test_bad_memory_plans(tmp_path: Path, args: list[str], expected: str) -> None:
+    files = {"bad": "{not json", "list": "[]", "empty": "{}"}
+    for name, text in files.items():
+        (tmp_path / f"{name}.json").write_text(text)
+    args = [a.format(**{n: tmp_path / f"{n}.json" for n in files}) for a in args]
+    _one_line_error(deepinfer_plan("memory", *args), expected)
+
+
+def test_memory_plan_of_the_bundled_model() -> None:
+    proc = deepinfer_plan("memory", "--model", str(TINY_MODEL), "--ep", "1", "8", "--json")
+    assert proc.returncode == 0, proc.stderr
+    assert [p["ep"] for p in json.loads(proc.stdout)] == [1, 8]
+
+
+def test_daily_output_capacity_counts_every_chip() -> None:
+    """Hand-computed: 100 tok/s per chip over 24 prefill + 8 decode chips."""
+    assert daily_output_capacity(100.0, 24 + 8) == 100 * 32 * 86_400 == 276_480_000
+
+
+def test_a_plan_never_reports_more_daily_output_than_its_capacity() -> None:
+    """A day whose peak hour runs at twice the mean rate (one request a session): the capacity at
+    the peak load is about twice the day's output, and is the simulation's per-chip rate times all
+    the chips (before the fix: times the decode chips only, below the day's output)."""
+    profile = [2.0 if h == 0 else 1.0 for h in range(24)]
+    chat = small().classes[0].model_copy(update={"time_of_day": profile, "turns_per_session": 1.0})
+    spec = WorkloadSpec.model_validate(small().model_copy(update={"classes": [chat]}).model_dump())
+    report = Planner(spec, "gb200", parse_slo("ttft_p99=3s,tpot_p99=100ms"), FAST).plan()
+    chips = report["deployment"]["chips"]
+    assert report["deployment"]["prefill_chips"] > 0 and chips > report["deployment"]["decode_chips"]
+    per_chip = report["simulation"]["output_tokens_per_s_per_chip"]
+    capacity = report["output_tokens_per_day_capacity_at_peak_load"]
+    assert capacity == pytest.approx(per_chip * chips * 86_400)
+    assert report["output_tokens_per_day"] < capacity
+    offered_at_peak = report["peak_requests_per_s"] * 100 * 86_400  # 100 output tokens a request
+    assert capacity == pytest.approx(offered_at_peak, rel=0.25)
