@@ -29,6 +29,7 @@ from deepinfer.router.prefill_queue import PrefillQueue
 from deepinfer.router.proxy import Proxy
 from deepinfer.router.registry import Registry, WorkerRejected
 from deepinfer.router.stream import API_PATHS
+from deepinfer.server.middleware import RequestGuard
 from deepinfer.tokenizer import Tokenizer
 from deepinfer.web.errors import ApiError, Dialect
 
@@ -108,6 +109,13 @@ def build_router_app(config: RouterConfig) -> FastAPI:
             await client.aclose()
 
     app = FastAPI(title="deepinfer router", version=__version__, lifespan=lifespan)
+    # the worker's limits and error shapes, before any parsing (deepinfer.router.proxy)
+    app.add_middleware(
+        RequestGuard,
+        api_key=None,
+        max_body_bytes=config.max_request_bytes,
+        body_timeout_s=config.body_timeout_s,
+    )
 
     def _route(path: str, api: str):
         async def proxied(request: Request) -> Response:

@@ -88,7 +88,8 @@ class RouterMetrics:
         self.registry = r = CollectorRegistry()
         self.requests = Counter(
             "deepinfer_router_requests",
-            "Requests that ended, by API, path taken and outcome",
+            "Requests that ended, by API, path taken and outcome: ok, error (also a stream that broke or "
+            "carried an error event after its first output), cancelled (the client left a stream before its end)",
             ["api", "path", "outcome"],
             registry=r,
         )

@@ -1,14 +1,21 @@
 """One client request through the router: estimate, plan, forward, retry, relay.
 
 The body is forwarded unchanged to the worker the policies chose and its answer is relayed back
-(status, body, or the event stream byte for byte). Each request has a deadline
+(status, body, or the event stream byte for byte). The router's request guard has already bounded the
+body (size, arrival time, valid Unicode); here it is parsed (a large one off the event loop; nesting
+too deep for the parser is a 400), and a body that carries ``kv_transfer`` is refused with a 400
+naming it: handoff orders are the router's own (:mod:`deepinfer.router.handoff`), which workers take
+only with the cluster key. The client's credentials (``Authorization``, ``x-api-key``, a cluster key
+header) are never forwarded: the router's HTTP client proves itself with the cluster key. Each request has a deadline
 (``request_timeout_s``); within it, and up to ``max_attempts`` workers, an attempt that fails before
 the client has received anything moves to another worker: a refused or broken connection (the worker
 is ejected at once), a worker the health checks eject while the attempt waits, no output within
 ``first_byte_timeout_s`` (streaming), or a retryable status (429, 502, 503, 504). A non-streaming
 answer is read whole before it is relayed, so it is retried whenever its worker fails. A stream that
 breaks after the client has received output ends with an error event in its API's shape (then
-``[DONE]`` for the OpenAI APIs). Every failure is counted by kind in the router's metrics.
+``[DONE]`` for the OpenAI APIs). Every failure is counted by kind in the router's metrics, and each
+request once by its outcome: a stream when it ends (``ok`` after its API's last event, ``error`` when
+it broke or its worker sent an error event, ``cancelled`` when the client left first).
 
 Paths (:func:`~deepinfer.router.policies.plan`): a short prompt goes straight to a decode-capable
 worker; a long one, when a prefill worker and a decode-capable worker report the same shared KV store
@@ -61,8 +68,9 @@ from deepinfer.router.policies import (
 )
 from deepinfer.router.prefill_queue import PrefillQueue, QueueFull
 from deepinfer.router.registry import Registry
-from deepinfer.router.stream import Api, EventSplitter, carries_output, dialect, error_events
+from deepinfer.router.stream import Api, EventSplitter, carries_output, dialect, error_events, stream_outcome
 from deepinfer.tokenizer import Tokenizer
+from deepinfer.web.auth import CLUSTER_KEY_HEADER
 from deepinfer.web.errors import ApiError
 from deepinfer.web.handoff import PrefillResult
 from deepinfer.web.sse import EventStreamResponse
@@ -71,6 +79,14 @@ logger = get_logger(__name__)
 T = TypeVar("T")
 RETRYABLE_STATUS = {429, 502, 503, 504}
 HOP_BY_HOP = {"host", "content-length", "connection", "keep-alive", "transfer-encoding", "te", "upgrade"}
+CREDENTIALS = {
+    "authorization",
+    "proxy-authorization",
+    "x-api-key",
+    "cookie",
+    CLUSTER_KEY_HEADER,
+}  # not forwarded
+PARSE_INLINE_BYTES = 64 << 10  # larger bodies are parsed in a thread, off the event loop
 WORKER_HEADER = "x-deepinfer-worker"  # the worker that answered (the last one tried)
 PREFILL_WORKER_HEADER = "x-deepinfer-prefill-worker"  # two hops: the worker that computed the prompt
 RELEASE_PATH = "/kv/release"  # deepinfer.server.kv_transfer
@@ -81,6 +97,28 @@ TOKEN_LIMIT = {"chat": "max_tokens", "completions": "max_tokens", "responses": "
 
 class _Ejected(Exception):
     pass
+
+
+@dataclass(slots=True)
+class _Outcome:
+    """How one client request ended, counted once in ``deepinfer_router_requests`` (by the proxy
+    for a whole answer; by the relay for a stream, when it ends; ``path``: the route taken)."""
+
+    metrics: RouterMetrics
+    api: Api
+    path: str = "none"
+    counted: bool = False
+
+    def count(self, outcome: str) -> None:
+        if not self.counted:
+            self.counted = True
+            self.metrics.requests.labels(api=self.api, path=self.path, outcome=outcome).inc()
+
+    def answered(self, response: Response) -> Response:
+        """``response`` is the answer: a whole one is counted ``ok`` now, a stream when it ends."""
+        if not isinstance(response, EventStreamResponse):
+            self.count("ok")
+        return response
 
 
 @dataclass(slots=True)
@@ -143,19 +181,19 @@ class Proxy:
         return bool(handoff_pairs(self.registry.book.views()))
 
     async def handle(self, api: Api, path: str, raw: bytes, headers: Headers) -> Response:
+        """Route one client request (``raw``: its body, already size-checked by the request guard)
+        and return the answer to relay."""
         try:
-            body = json.loads(raw)
-            if not isinstance(body, dict):
-                raise ValueError("the request body must be a JSON object")
-        except ValueError as exc:
-            return ApiError(400, f"the request body is not valid JSON: {exc}").response(dialect(api))
+            body = await _parse(raw)
+        except ApiError as error:
+            return error.response(dialect(api))
         info = await asyncio.to_thread(estimate_request, path, body, self.tokenizer)
         stream = body.get("stream") is True
-        forward = {k: v for k, v in headers.items() if k.lower() not in HOP_BY_HOP}
+        forward = {k: v for k, v in headers.items() if k.lower() not in HOP_BY_HOP | CREDENTIALS}
+        outcome = _Outcome(self.metrics, api)
         deadline = self.clock() + self.config.request_timeout_s
         failures: list[tuple[str, _Failure]] = []
         tried: set[str] = set()
-        route_kind = "none"
         for attempt in range(self.config.max_attempts):
             if attempt and self.clock() >= deadline:
                 break
@@ -178,12 +216,12 @@ class Proxy:
             except NoWorker as exc:
                 if not failures:
                     self.metrics.failures.labels(kind="no_worker").inc()
-                    self.metrics.requests.labels(api=api, path="none", outcome="error").inc()
+                    outcome.count("error")
                     return ApiError(503, f"no worker can serve the request: {exc}").response(dialect(api))
                 break
             except QueueFull as exc:
                 self.metrics.failures.labels(kind="queue_full").inc()
-                self.metrics.requests.labels(api=api, path="none", outcome="error").inc()
+                outcome.count("error")
                 error = ApiError(
                     429, f"the router is at capacity ({exc}); retry later", headers={"Retry-After": "1"}
                 )
@@ -193,26 +231,24 @@ class Proxy:
             if attempt:
                 self.metrics.retries.inc()
             if isinstance(route, TwoHop):
-                route_kind = "two_hop"
+                outcome.path = "two_hop"
                 result = await self._two_hop(api, path, body, forward, stream, info, route, deadline, tried,
-                                             failures, booked)  # fmt: skip
+                                             failures, outcome, booked)  # fmt: skip
                 if result is not None:
-                    self.metrics.requests.labels(api=api, path=route_kind, outcome="ok").inc()
-                    return result
+                    return outcome.answered(result)
                 continue
-            url, route_kind = route.worker.url, route.reason
+            url, outcome.path = route.worker.url, route.reason
             tried.add(url)
             result = await self._attempt(
                 api, url, path, raw, forward, stream, info, route.worker.request_cost_s(info), deadline,
-                booked=booked,
+                outcome, booked=booked,
             )  # fmt: skip
             if isinstance(result, Response):
-                self.metrics.requests.labels(api=api, path=route_kind, outcome="ok").inc()
-                return result
+                return outcome.answered(result)
             self.metrics.failures.labels(kind=result.kind).inc()
             logger.warning("attempt %d on %s failed (%s): %s", attempt + 1, url, result.kind, result.message)
             failures.append((url, result))
-        self.metrics.requests.labels(api=api, path=route_kind, outcome="error").inc()
+        outcome.count("error")
         return self._give_up(api, failures, deadline)
 
     def _late(self, info: RequestInfo) -> bool:
@@ -259,6 +295,7 @@ class Proxy:
         deadline: float,
         tried: set[str],
         failures: list[tuple[str, _Failure]],
+        outcome: _Outcome,
         booked: str | None = None,
     ) -> Response | None:
         """One request's handoff (see the module docstring): the answer to relay, or None when it
@@ -276,7 +313,9 @@ class Proxy:
             while True:  # prefill
                 order = h.start_prefill(worker.url, time.time())
                 tried.add(worker.url)
-                got = await self._prefill(api, path, body, headers, worker, info, order, deadline, booked)
+                got = await self._prefill(
+                    api, path, body, headers, worker, info, order, deadline, outcome, booked
+                )
                 booked = None
                 if isinstance(got, PrefillResult):
                     try:
@@ -300,7 +339,9 @@ class Proxy:
                 order = h.start_decode(worker.url, time.time())
                 tried.add(worker.url)
                 raw = json.dumps({**body, "kv_transfer": msgspec.to_builtins(order)}).encode()
-                result = await self._attempt(api, worker.url, path, raw, headers, stream, info, 0.0, deadline)
+                result = await self._attempt(
+                    api, worker.url, path, raw, headers, stream, info, 0.0, deadline, outcome
+                )
                 if isinstance(result, Response):
                     result.headers[PREFILL_WORKER_HEADER] = prefilled_on
                     h.decode_output()
@@ -351,6 +392,7 @@ class Proxy:
         info: RequestInfo,
         order,
         deadline: float,
+        outcome: _Outcome,
         booked: str | None = None,
     ) -> PrefillResult | _Failure:
         """Send the prefill half to ``worker``: its ``PrefillResult``, or why not (``booked``: see
@@ -359,7 +401,7 @@ class Proxy:
         prefill.update({"stream": False, TOKEN_LIMIT[api]: 1, "kv_transfer": msgspec.to_builtins(order)})
         raw = json.dumps(prefill).encode()
         result = await self._attempt(
-            api, worker.url, path, raw, headers, False, info, worker.request_cost_s(info), deadline,
+            api, worker.url, path, raw, headers, False, info, worker.request_cost_s(info), deadline, outcome,
             booked=booked,
         )  # fmt: skip
         if isinstance(result, _Failure):
@@ -406,11 +448,13 @@ class Proxy:
         info: RequestInfo,
         cost_s: float,
         deadline: float,
+        outcome: _Outcome,
         *,
         booked: str | None = None,
     ) -> Response | _Failure:
-        """One request to one worker. ``booked``: the load book's id of this attempt, already booked
-        (late binding); else it is booked here."""
+        """One request to one worker. ``outcome``: the request's, counted by a relayed stream when
+        it ends. ``booked``: the load book's id of this attempt, already booked (late binding); else
+        it is booked here."""
         book = self.registry.book
         if booked is None:
             rid = uuid.uuid4().hex
@@ -439,8 +483,8 @@ class Proxy:
             book.prefilled(url, rid, self.clock())
             self._progress()
             handed_over = True
-            events = self._relay_stream(api, url, rid, response, chunks, opening, ejected, deadline)
-            relayed = EventStreamResponse(events, on_close=lambda: self._closed(url, rid, response))
+            events = self._relay_stream(api, url, rid, response, chunks, opening, ejected, deadline, outcome)
+            relayed = EventStreamResponse(events, on_close=lambda: self._closed(url, rid, response, outcome))
             relayed.headers[WORKER_HEADER] = url
             return relayed
         except _Ejected:
@@ -458,12 +502,22 @@ class Proxy:
                 if response is not None:
                     await response.aclose()
 
-    def _closed(self, url: str, rid: str, response: httpx.Response) -> None:
-        """A relayed stream ended, however it ended (also when it never started): idempotent."""
+    def _closed(self, url: str, rid: str, response: httpx.Response, outcome: _Outcome) -> None:
+        """A relayed stream ended, however it ended (also when it never started): idempotent. One
+        not counted yet ended before its last event: the client left."""
+        outcome.count("cancelled")
         self.registry.book.finished(url, rid, self.clock())
         self._progress()
         if not response.is_closed:
             self._background(response.aclose())
+
+    @staticmethod
+    def _ends(api: Api, event: bytes, outcome: _Outcome) -> None:
+        """Count the request when ``event`` ends its stream or reports an error (before the client
+        sees it, so a client that has read the stream finds it counted)."""
+        ended = stream_outcome(api, event)
+        if ended is not None:
+            outcome.count(ended)
 
     @staticmethod
     def _relay(response: httpx.Response, body: bytes, url: str) -> Response:
@@ -505,20 +559,28 @@ class Proxy:
         opening: list[bytes],
         ejected: asyncio.Event,
         deadline: float,
+        outcome: _Outcome,
     ) -> AsyncGenerator[str, None]:
+        """The worker's events, counted into ``outcome`` as the last (or an error) one passes."""
         sent = 0
         try:
             for event in opening:
+                self._ends(api, event, outcome)
                 yield event.decode()
                 sent += 1
             while True:
                 try:
                     event = await _race(anext(rest), ejected, deadline - self.clock())
                 except StopAsyncIteration:
+                    if not outcome.counted:  # no last event: the worker cut the stream short
+                        self.metrics.failures.labels(kind="mid_stream").inc()
+                        outcome.count("error")
                     return
+                self._ends(api, event, outcome)
                 yield event.decode()
                 sent += 1
         except (httpx.HTTPError, _Ejected, TimeoutError) as exc:
+            outcome.count("error")
             kind = {"_Ejected": "ejected", "TimeoutError": "timeout"}.get(type(exc).__name__, "mid_stream")
             reason = {"ejected": "the worker stopped answering", "timeout": "the request's deadline passed"}
             self.metrics.failures.labels(kind="mid_stream").inc()
@@ -533,6 +595,26 @@ class Proxy:
             self._progress()
             await rest.aclose()
             await response.aclose()
+
+
+async def _parse(raw: bytes) -> dict:
+    """The JSON object in a request body (a large body is parsed in a thread); ``ApiError`` 400 when
+    it is not valid JSON, not an object, nests too deeply, or carries ``kv_transfer``."""
+    try:
+        body = json.loads(raw) if len(raw) <= PARSE_INLINE_BYTES else await asyncio.to_thread(json.loads, raw)
+    except RecursionError:
+        raise ApiError(400, "the request body is not valid JSON: it nests too deeply") from None
+    except ValueError as exc:
+        raise ApiError(400, f"the request body is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body is not valid JSON: the request body must be a JSON object")
+    if "kv_transfer" in body:
+        raise ApiError(
+            400,
+            "kv_transfer: handoff orders come only from the router itself; a client may not send one",
+            param="kv_transfer",
+        )
+    return body
 
 
 def _can_hand_off(api: Api, body: dict) -> bool:

@@ -4,7 +4,8 @@ started producing output, and the error event that ends a stream in each API's s
 The router forwards a worker's stream event by event (never half an event, so an error event it
 adds after a worker died is well-formed). Until a worker's first *output* event (generated text, a
 finish, usage, or the worker's own error), nothing has been decided for the client: the router holds
-the stream's opening events back and may still retry elsewhere.
+the stream's opening events back and may still retry elsewhere. The stream's last event (or an
+error event) says how the request ended, for the router's request metrics.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ API_PATHS: dict[str, Api] = {
 }
 _MESSAGES_OUTPUT = {"content_block_delta", "message_delta", "message_stop", "error"}
 _RESPONSES_END = {"response.completed", "response.incomplete", "response.failed", "error"}
+_RESPONSES_FAILED = {"response.failed", "error"}
 
 
 class EventSplitter:
@@ -78,6 +80,25 @@ def carries_output(api: Api, event: bytes) -> bool:
         ):
             return True
     return False
+
+
+def stream_outcome(api: Api, event: bytes) -> str | None:
+    """``"ok"`` when ``event`` is its API's last event of a stream that ended normally (``[DONE]``,
+    ``message_stop``, ``response.completed`` / ``response.incomplete``), ``"error"`` when it reports
+    an error (the worker's own error event, ``response.failed``), else ``None``."""
+    data = _data(event)
+    if data == "[DONE]":
+        return "ok"
+    if not isinstance(data, dict):
+        return None
+    kind = data.get("type")
+    if api == "responses" and kind in _RESPONSES_END:
+        return "error" if kind in _RESPONSES_FAILED else "ok"
+    if "error" in data or kind == "error":
+        return "error"
+    if api == "messages" and kind == "message_stop":
+        return "ok"
+    return None
 
 
 def dialect(api: Api) -> Dialect:
