@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from deepinfer.router.config import RouterConfig
 from deepinfer.router.handoff import Handoff, HandoffError, HandoffState
-from deepinfer.web.handoff import PrefillResult
+from deepinfer.web.handoff import MAX_LEASE_S, PrefillResult
 
 
 def result(hid: str = "h", expires: float = 50.0, layout: str = "L") -> PrefillResult:
@@ -96,3 +97,17 @@ def test_abandon_ends_an_unfinished_handoff_and_releases_once() -> None:
     done.finished()
     done.abandon("late")  # already ended: unchanged
     assert done.state is HandoffState.DONE and done.take_release() is None
+
+
+def test_orders_carry_the_prefills_cache_hits_and_a_lease_workers_accept() -> None:
+    """The decode order tells the decode worker what the prefill worker found cached (its usage
+    reports that, not the blocks the handoff delivered); the router's lease is one workers take:
+    finite, over 0, at most MAX_LEASE_S (issue 34, defects 4 and 7)."""
+    h = handoff()
+    h.start_prefill("p1", now=0.0)
+    h.prefilled(result(), now=1.0)
+    assert h.start_decode("d1", now=2.0).num_cached_tokens == 8
+    for lease in (float("nan"), float("inf"), 0.0, MAX_LEASE_S + 1):
+        with pytest.raises(ValueError, match="kv_lease_s"):
+            RouterConfig(kv_lease_s=lease)
+    assert RouterConfig(kv_lease_s=MAX_LEASE_S).kv_lease_s == MAX_LEASE_S
