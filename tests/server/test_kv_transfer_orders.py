@@ -14,6 +14,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from deepinfer.core.roles import Role
+from deepinfer.kvstore.config import KVStoreConfig
 from deepinfer.web.auth import CLUSTER_KEY_HEADER
 from deepinfer.web.handoff import MAX_LEASE_S
 from tests.server.conftest import MODEL_NAME, ServerHandle, start_server
@@ -90,3 +92,61 @@ def test_a_deeply_nested_body_with_an_order_is_a_400(keyed: ServerHandle) -> Non
     raw = b'{"kv_transfer": 1, "x": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
     r = httpx.post(f"{keyed.url}/v1/completions", content=raw, headers={"content-type": "application/json"})
     assert r.status_code == 400, r.text
+
+
+@pytest.fixture(scope="module")
+def both(deepseek_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerHandle]:
+    """A both-role worker with a shared KV store: it takes prefill and decode orders."""
+    store = KVStoreConfig(host_cache_gib=0.01, shared_path=str(tmp_path_factory.mktemp("shared-store")))
+    yield from start_server(deepseek_model, engine={"kv_store": store}, cluster_secret=SECRET, role=Role.BOTH)
+
+
+def bodies(text: str) -> dict[str, dict]:
+    chat = {
+        "model": MODEL_NAME,
+        "messages": [{"role": "user", "content": text}],
+        "max_tokens": 4,
+        "temperature": 0,
+    }
+    return {"/v1/chat/completions": chat, "/v1/messages": chat, "/v1/completions": {**BODY, "prompt": text}}
+
+
+def cached_of(path: str, answer: dict) -> tuple[int, int]:
+    """``(prompt tokens, cached prompt tokens)`` of an answer's usage, in its API's terms."""
+    u = answer["usage"]
+    if path == "/v1/messages":
+        return u["input_tokens"] + u["cache_read_input_tokens"], u["cache_read_input_tokens"]
+    return u["prompt_tokens"], u["prompt_tokens_details"]["cached_tokens"]
+
+
+def handed_off(url: str, path: str, body: dict, handoff_id: str) -> tuple[dict, dict]:
+    """The router's two hops by hand on one worker: the prefill's kv_transfer result and the decode's answer."""
+    key = {CLUSTER_KEY_HEADER: SECRET}
+    prefill = httpx.post(f"{url}{path}", json={**body, "max_tokens": 1, "kv_transfer": order(handoff_id=handoff_id)},
+                         headers=key, timeout=60)  # fmt: skip
+    assert prefill.status_code == 200, prefill.text
+    result = prefill.json()["kv_transfer"]
+    decode = {k: v for k, v in result.items() if k != "handoff_id"} | {"handoff_id": handoff_id,
+              "deadline_unix": time.time() + 60}  # fmt: skip
+    answer = httpx.post(f"{url}{path}", json={**body, "kv_transfer": decode}, headers=key, timeout=60)
+    assert answer.status_code == 200, answer.text
+    return result, answer.json()
+
+
+def test_a_decode_reports_the_prefills_cache_hits_not_the_handed_off_blocks(both: ServerHandle) -> None:
+    """Issue 34, defect 7: the decode side found every handed-off block cached (here in its own prefix
+    cache: it computed them as the prefill), yet the client is billed for none of a new prompt's tokens
+    as cached; a repeated prompt reports the prefill's true hits."""
+    for i, path in enumerate(bodies("")):
+        body = bodies(f"# request {i} is new\n" + "def handler(request):\n    return request.body\n" * 6)[
+            path
+        ]
+        result, answer = handed_off(both.url, path, body, f"cold-{i}")
+        tokens, cached = cached_of(path, answer)
+        assert result["num_cached_tokens"] == 0 and tokens > 48 and cached == 0, (path, answer["usage"])
+        result, answer = handed_off(both.url, path, body, f"warm-{i}")
+        tokens, cached = cached_of(path, answer)
+        assert 0 < result["num_cached_tokens"] < tokens and cached == result["num_cached_tokens"], (
+            path,
+            answer,
+        )
