@@ -3,15 +3,22 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from deepinfer.config import EngineConfig
-from deepinfer.engine.llm_engine import LLMEngine
+from deepinfer.logger import get_logger
 from deepinfer.model_zoo import default_model_path
 from deepinfer.outputs import RequestOutput
 from deepinfer.sampling_params import SamplingParams
 from deepinfer.text_input import require_valid_text
+from deepinfer.threads import apply_thread_policy, policy_warning
 from deepinfer.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from deepinfer.engine.llm_engine import LLMEngine
+    from deepinfer.parallel.front import DataParallelEngine
+
+logger = get_logger(__name__)
 
 # The offline engine's token budget per step unless one is given: larger than EngineConfig's (a
 # server's, which bounds how long a prompt chunk stalls the decodes beside it), since offline only the
@@ -28,16 +35,24 @@ class LLM:
     ``max_num_batched_tokens`` defaults to ``OFFLINE_MAX_NUM_BATCHED_TOKENS`` here.
     ``data_parallel_size=N`` (with ``enable_expert_parallel=True`` to shard the experts) runs N rank
     processes (spawned: a script must guard its entry with ``if __name__ == "__main__":``).
+
+    The first ``LLM()`` of a process that has not imported torch sets ``OMP_WAIT_POLICY=PASSIVE``
+    (unless set) before it loads the engine, as every entry point does (:mod:`deepinfer.threads`);
+    after an earlier ``import torch`` it is too late, and it logs a warning saying how to fix it.
     """
 
     def __init__(self, model: str | None = None, **engine_options: Any) -> None:
         engine_options.setdefault("max_num_batched_tokens", OFFLINE_MAX_NUM_BATCHED_TOKENS)
         config = EngineConfig(model=str(model or default_model_path()), **engine_options)
+        if not apply_thread_policy():  # before the engine's first import loads torch and OpenMP
+            logger.warning(policy_warning())
         if config.data_parallel_size > 1:  # rank processes behind the same interface
             from deepinfer.parallel.front import DataParallelEngine
 
             self.engine: LLMEngine | DataParallelEngine = DataParallelEngine(config)
         else:
+            from deepinfer.engine.llm_engine import LLMEngine
+
             self.engine = LLMEngine(config)
 
     def close(self) -> None:

@@ -10,6 +10,7 @@ import os
 import sys
 
 from deepinfer import envs
+from deepinfer.threads import apply_thread_policy
 
 # Thresholds raised so large temporaries stay in the heap (no mmap/munmap and page faults every step),
 # and the heap advised for transparent huge pages (hugetlb=1, glibc >= 2.35; where the kernel's THP mode is
@@ -22,8 +23,11 @@ MALLOC_TUNABLES = (
 
 
 def reexec_with_malloc_tuning() -> None:
-    """Re-execute this process once with glibc's malloc thresholds raised: without it, large
-    temporaries are mmapped and unmapped every step and page faults can double the run time."""
+    """Prepare a command-line entry point's process for the engine, before it imports torch: apply
+    the OpenMP thread policy (:mod:`deepinfer.threads`; the re-exec inherits it), then re-execute
+    this process once with glibc's malloc thresholds raised: without it, large temporaries are
+    mmapped and unmapped every step and page faults can double the run time."""
+    apply_thread_policy()
     if (
         os.environ.get("GLIBC_TUNABLES")
         or not envs.get("DEEPINFER_MALLOC_TUNING")

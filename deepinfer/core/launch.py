@@ -24,6 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from deepinfer.config import EngineConfig
 from deepinfer.logger import get_logger
+from deepinfer.threads import thread_environment
 
 if TYPE_CHECKING:
     from deepinfer.engine.llm_engine import LLMEngine
@@ -127,12 +128,9 @@ class CoreThread(CoreHandle):
 
 
 def core_environment(environ: Mapping[str, str]) -> dict[str, str]:
-    """A core's environment: the front's, with OpenMP's idle threads sleeping instead of spinning
-    (``OMP_WAIT_POLICY=PASSIVE``) unless the user chose a policy. A core shares its host's cores
-    with the front and the clients; a spinning OpenMP worker whose partner was preempted burns the
-    core another process needed. Measured on 2 shared cores at 64 streaming clients (host load
-    average ~12): 12 tok/s spinning, 108 tok/s passive (16.4 -> 1.4 ms of core CPU per token)."""
-    return {"OMP_WAIT_POLICY": "PASSIVE", **environ}
+    """A core's environment: the front's, with the engine's OpenMP thread policy
+    (:mod:`deepinfer.threads`: ``OMP_WAIT_POLICY=PASSIVE`` unless the user chose a policy)."""
+    return thread_environment(environ)
 
 
 def describe_exit(returncode: int) -> str:

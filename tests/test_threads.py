@@ -1,0 +1,77 @@
+"""The OpenMP thread policy of every engine entry point (issue 34, defect 19): ``OMP_WAIT_POLICY=
+PASSIVE`` unless the user chose a policy, for the CLI (``python -m deepinfer.run``, ``deepinfer run``
+and ``bench``), ``LLM()`` and the served core. Each case asks the process's OpenMP runtime itself
+(``OMP_DISPLAY_ENV=VERBOSE`` prints its settings when it loads): ``GOMP_SPINCOUNT = '0'`` is the
+passive policy; the runtime's default spins 300,000 times, ``ACTIVE`` 3e10 times."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from deepinfer.core.launch import core_environment
+from deepinfer.threads import THREAD_POLICY, thread_environment
+from tests.conftest import REPO_ROOT
+
+PASSIVE = "GOMP_SPINCOUNT = '0'"
+DEFAULT = "GOMP_SPINCOUNT = '300000'"
+ACTIVE = "GOMP_SPINCOUNT = '30000000000'"
+
+
+def run(args: list[str], **env: str) -> subprocess.CompletedProcess:
+    """``args`` under this Python, with no OpenMP policy in the environment unless ``env`` sets one."""
+    base = {k: v for k, v in os.environ.items() if k not in THREAD_POLICY and k != "GLIBC_TUNABLES"}
+    proc = subprocess.run(
+        [sys.executable, *args], cwd=REPO_ROOT, capture_output=True, text=True, timeout=300,
+        env={**base, "DEEPINFER_ACCELERATOR": "cpu", "OMP_DISPLAY_ENV": "VERBOSE", **env},
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stderr.count("GOMP_SPINCOUNT") == 1, proc.stderr[-2000:]  # one runtime, one report
+    return proc
+
+
+def test_the_policy_fills_in_only_what_the_user_left_unset() -> None:
+    assert thread_environment({}) == {"OMP_WAIT_POLICY": "PASSIVE"}
+    assert thread_environment({"OMP_WAIT_POLICY": "ACTIVE", "X": "1"}) == {
+        "OMP_WAIT_POLICY": "ACTIVE",
+        "X": "1",
+    }
+    assert core_environment({"X": "1"}) == {"OMP_WAIT_POLICY": "PASSIVE", "X": "1"}  # the served core
+
+
+@pytest.mark.parametrize(
+    "entry",
+    [["-m", "deepinfer.run"], ["-m", "deepinfer.cli", "run"]],
+    ids=["python -m deepinfer.run", "deepinfer run"],
+)
+def test_the_cli_runs_passive(tiny_model: Path, entry: list[str]) -> None:
+    args = [*entry, "--model", str(tiny_model), "--max-tokens", "2", "--json", "def f():"]
+    assert PASSIVE in run(args).stderr  # through the malloc re-exec
+    assert PASSIVE in run(args, GLIBC_TUNABLES="glibc.malloc.hugetlb=0").stderr  # no re-exec
+    assert ACTIVE in run(args, OMP_WAIT_POLICY="ACTIVE").stderr  # the user's choice is kept
+
+
+def test_bench_runs_passive(tiny_model: Path) -> None:
+    args = ["-m", "deepinfer.cli", "bench", "offline", "--model", str(tiny_model), "--num-requests", "2",
+            "--input-len-range", "8", "16", "--output-len", "2"]  # fmt: skip
+    assert PASSIVE in run(args).stderr
+
+
+def test_llm_sets_the_policy_before_loading_torch(tiny_model: Path) -> None:
+    script = f"from deepinfer import LLM\nLLM({str(tiny_model)!r}, num_kv_blocks=16)\n"
+    proc = run(["-c", script])
+    assert PASSIVE in proc.stderr and "OpenMP was loaded" not in proc.stderr
+
+
+def test_llm_after_torch_says_how_to_fix_it(tiny_model: Path) -> None:
+    script = f"import torch\nfrom deepinfer import LLM\nLLM({str(tiny_model)!r}, num_kv_blocks=16)\n"
+    proc = run(["-c", script])
+    assert DEFAULT in proc.stderr
+    assert (
+        "OpenMP was loaded (torch imported) before deepinfer could set OMP_WAIT_POLICY=PASSIVE" in proc.stderr
+    )
+    assert PASSIVE in run(["-c", script], OMP_WAIT_POLICY="PASSIVE").stderr  # the fix it names
