@@ -56,6 +56,7 @@ def test_an_order_without_the_cluster_key_is_refused(keyed: ServerHandle) -> Non
         assert error["param"] == "kv_transfer" and "x-deepinfer-cluster-key" in error["message"]
     r = post(keyed.url, order(), path="/v1/messages")
     assert r.status_code == 403 and r.json()["type"] == "error"  # Anthropic's shape
+    assert r.json()["error"]["type"] == "permission_error"
     assert "kv_transfer" in r.json()["error"]["message"]
     # the same body without the order is served as usual
     assert httpx.post(f"{keyed.url}/v1/completions", json=BODY, timeout=60).status_code == 200
