@@ -70,6 +70,9 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0: all)")
     parser.add_argument("--seed", type=int, default=None, help="sampling seed (default: random)")
+    parser.add_argument(
+        "--ignore-eos", action="store_true", help="generate --max-tokens tokens even past EOS (benchmarks)"
+    )
     parser.add_argument("--accelerator", help="cpu | nvidia | ascend | auto (default: DEEPINFER_ACCELERATOR)")
     parser.add_argument(
         "--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"], help="weights' dtype"
@@ -117,6 +120,7 @@ def _run(args: argparse.Namespace) -> int:
         top_k=args.top_k,
         seed=args.seed,
         max_tokens=args.max_tokens,
+        ignore_eos=args.ignore_eos,
     )
     prompts = _read_prompts(args)
     from deepinfer.llm import LLM

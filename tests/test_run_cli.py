@@ -115,3 +115,11 @@ def test_help_shows_the_defaults() -> None:
     assert "(default: 8000)" in text and "(default: 30.0)" in text and "(default: 1024)" in text
     run_help = " ".join(deepinfer(["run", "--help"]).stdout.split())
     assert "(default: 128)" in run_help and "(default: 0.0)" in run_help
+
+
+def test_ignore_eos_generates_every_token(tiny_model: Path) -> None:
+    """``--ignore-eos`` (what bench/busy_host.py uses for a fixed token count) runs past EOS."""
+    proc = run_cli(["--model", str(tiny_model), "--max-tokens", "24", "--ignore-eos", "--json", "x"])
+    assert proc.returncode == 0, proc.stderr
+    row = json.loads(proc.stdout)
+    assert row["generated_tokens"] == 24 and row["finish_reason"] == "length"
