@@ -4,8 +4,9 @@ One ``uint8`` tensor ``[num_slots, slot_bytes]`` allocated once (``pin_memory`` 
 on an accelerator, so device<->host copies are DMA). A slot is *reserved* (leased, invisible to
 lookups) while a device block or a file is copied into it, *committed* when its bytes are complete,
 and *leased* again while a load copies it out or the write-behind thread writes it to disk. Leased
-slots are never evicted; when every slot is leased a new reservation is refused. Thread safety: the
-owning ``KVStore`` serialises calls.
+and reserved slots are never evicted; committed unleased ones are, by the retention policy, which
+counts the reservations as occupied. A new reservation is refused only when every slot is leased or
+reserved. Thread safety: the owning ``KVStore`` serialises calls.
 """
 
 from __future__ import annotations
@@ -84,7 +85,10 @@ class HostTier:
                 Entry(k, 1, e.last_used, e.expires_at, bool(self.leases.get(self.slot_of[k])))
                 for k, e in self.meta.items()
             ]
-            victims, _ = plan_eviction(entries, now, self.num_slots, incoming=1)
+            # The pool also holds reservations not yet committed (no entries, leased): they and the
+            # new slot come on top of the committed entries, so evictable entries make room.
+            reserved = self.num_slots - len(self.slot_of)
+            victims, _ = plan_eviction(entries, now, self.num_slots, incoming=reserved + 1)
             for key in victims:
                 if is_expired(self.meta[key], now):
                     self.counters.expirations += 1

@@ -10,7 +10,8 @@ and the cluster simulator run the same policy. Rules:
 - An expired entry is never served, and is collected (``expired``).
 - A tier over its high watermark evicts down to its low watermark: expired entries first (earliest
   expiry first), then least recently used; leased entries (being loaded or written) are never evicted.
-  When leases keep the tier from fitting new data, the write is refused (fails closed) rather than
+  When leases keep the tier above its low watermark, only what the new data needs is evicted; when
+  they keep it from fitting new data at all, the write is refused (fails closed) rather than
   exceeding the cap.
 """
 
@@ -113,8 +114,10 @@ def plan_eviction(
 
     Nothing is removed while used + incoming stays at or under ``high * capacity``; past it, expired
     entries go first, then least recently used, until used + incoming is at most ``low * capacity``
-    (or the unleased entries run out). Returns (keys to remove, whether ``incoming`` then fits under
-    ``capacity``).
+    (or the unleased entries run out). When the leased entries and ``incoming`` alone exceed
+    ``low * capacity``, only what ``incoming`` needs to fit under ``capacity`` is removed (emptying
+    the tier of every unleased entry would not reach the low watermark either). Returns (keys to
+    remove, whether ``incoming`` then fits under ``capacity``).
     """
     entries = list(entries)
     used = sum(e.size for e in entries)
@@ -124,9 +127,11 @@ def plan_eviction(
     candidates.sort(
         key=lambda e: (not is_expired(e, now), e.expires_at if is_expired(e, now) else e.last_used)
     )
+    pinned = used - sum(e.size for e in candidates) + incoming
+    target = low * capacity if pinned <= low * capacity else capacity
     out = []
     for e in candidates:
-        if used + incoming <= low * capacity:
+        if used + incoming <= target:
             break
         out.append(e.key)
         used -= e.size
