@@ -39,6 +39,7 @@ from deepinfer.kvstore.file_tier import FileTier
 from deepinfer.kvstore.host_tier import HostTier
 from deepinfer.kvstore.keys import StoreNamespace
 from deepinfer.kvstore.metrics import StoreMetrics
+from deepinfer.kvstore.owner import OwnerLock
 from deepinfer.kvstore.pack_tier import PackTier
 from deepinfer.kvstore.retention import RetentionPolicy
 from deepinfer.logger import get_logger
@@ -120,7 +121,9 @@ class KVStore:
         self._lock = threading.RLock()  # guards the host tier, holds and metrics
         self.host = HostTier(host_slots, slot_bytes, pin_memory, policy, self.metrics.tier("host"), clock)
         self.files: list[PackTier | FileTier] = []
+        self._owner: OwnerLock | None = None
         if disk is not None:  # one pack file per write-behind batch (this process owns the folder)
+            self._owner = OwnerLock(disk.path)  # a second owner of the folder fails here, at once
             self.files.append(
                 PackTier(
                     "disk",
@@ -497,3 +500,5 @@ class KVStore:
         for tier in self.files:
             tier.close()
         self._record_stats()
+        if self._owner is not None:
+            self._owner.release()

@@ -41,7 +41,7 @@ def test_hits_from_host_and_disk_give_the_outputs_of_no_store(tiny_model: Path, 
     assert [o.num_cached_tokens for o in again] == [192, 192]  # 12 full blocks; the last token computes
     stats = llm.engine.kv_store_stats()
     assert stats["tiers"]["host"]["hits"] >= 12
-    llm.engine.kv_connector.store.flush(10)
+    llm.engine.kv_connector.close()  # the old engine is gone: it owned the directory (owner.lock)
     # A new engine on the same path (a restart): the disk tier serves them.
     restarted = make(tiny_model, path=str(tmp_path))
     outs = restarted.generate(prompts, GREEDY)
@@ -62,6 +62,7 @@ def test_bad_files_are_counted_misses_and_the_output_is_unchanged(tiny_model: Pa
     raw[HEADER_SIZE + 7] ^= 0x04  # one flipped bit in the pack's first block's payload
     packs[0].write_bytes(raw)
     (packs[0].parent / "empty.kvp").write_bytes(b"")  # and a zero-length pack
+    llm.engine.kv_connector.close()  # a restart: the old engine releases the directory
     restarted = make(tiny_model, path=str(tmp_path))
     out = restarted.generate([p], GREEDY)[0]
     assert out.outputs[0].token_ids == cold
@@ -74,7 +75,7 @@ def test_another_model_or_layout_never_hits(tiny_model: Path, tmp_path: Path) ->
     p = prompt(9)
     llm = make(tiny_model, path=str(tmp_path))
     llm.generate([p], GREEDY)
-    llm.engine.kv_connector.store.flush(10)
+    llm.engine.kv_connector.close()  # one owner per disk tier directory
     other = LLM(
         model=str(tiny_model), num_kv_blocks=40, dtype="bfloat16", kv_store=KVStoreConfig(path=str(tmp_path))
     )
