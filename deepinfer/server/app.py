@@ -50,6 +50,7 @@ def build_app(client: EngineClient, config: ServerConfig, tokenizer: Tokenizer |
     app.add_middleware(
         RequestGuard,
         api_key=config.api_key,
+        cluster_secret=config.cluster_secret,
         max_body_bytes=config.max_request_bytes,
         body_timeout_s=config.body_timeout_s,
     )

@@ -17,6 +17,7 @@ from pathlib import Path
 from deepinfer import envs
 from deepinfer.config import EngineConfig
 from deepinfer.server.config import ServerConfig
+from deepinfer.web.auth import load_cluster_secret
 
 
 def _default(config: type[EngineConfig | ServerConfig], field: str) -> object:
@@ -165,7 +166,17 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help="what routers send this worker (default: the platform's node role: 950PR prefill, 950DT decode, others both)",
     )
     parser.add_argument(
-        "--register-with", metavar="URL", help="register with the router at URL (and keep doing so)"
+        "--register-with",
+        metavar="URL",
+        help="register with the router at URL (and keep doing so; needs the cluster secret); "
+        "deregister when stopping",
+    )
+    parser.add_argument(
+        "--cluster-secret-file",
+        metavar="PATH",
+        help="file holding the secret this worker shares with its router (default: "
+        "DEEPINFER_CLUSTER_SECRET; unset: no router may give handoff orders, and /load and /kv/release "
+        "take the API key)",
     )
     parser.add_argument("--deterministic", action="store_true", help="batch-invariant mode (README)")
     parser.add_argument(
@@ -217,11 +228,18 @@ def server_config(args: argparse.Namespace, model: Path) -> ServerConfig:
             raise ValueError(
                 "DEEPINFER_API_KEY is set but empty: give a key, or unset it to serve without one"
             )
+    cluster_secret = load_cluster_secret(args.cluster_secret_file)
+    if args.register_with and cluster_secret is None:
+        raise ValueError(
+            "--register-with: registering with a router needs the cluster secret: give "
+            "--cluster-secret-file PATH or set DEEPINFER_CLUSTER_SECRET (the router's)"
+        )
     return ServerConfig(
         served_model_name=args.served_model_name or model.name,
         host=args.host,
         port=args.port,
         api_key=api_key,
+        cluster_secret=cluster_secret,
         max_queued_requests=args.max_queued_requests,
         max_request_bytes=args.max_request_bytes,
         max_tokens_default=args.max_tokens_default or None,
@@ -336,9 +354,13 @@ def _serve(
         )
 
     lower_front_priority(config.front_nice, keep={spawner.native_id})
+    registration = None
     if register_with:
-        Registration(register_with, advertised_url(config.host, port)).start()
+        registration = Registration(register_with, advertised_url(config.host, port), config.cluster_secret)
+        registration.start()
     try:
         return uvloop.run(run(server, client, [sock], banner))  # libuv's loop: less front CPU per event
     finally:
+        if registration is not None:
+            registration.stop()  # deregisters
         spawner.close()

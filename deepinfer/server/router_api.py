@@ -6,7 +6,9 @@ What it needs from the server: the ``ServingContext`` on ``app.state.serving`` (
 ``info``, the first core's ``Ready`` with the node role, KV layout fingerprint and cost model;
 ``stats.load``; ``healthy``; ``num_in_flight``; and ``config``: served model name, ``role`` and the
 model folder's fingerprint, ``model_fingerprint``). The role is the configured one, else the node
-role the engine core reports once it is ready.
+role the engine core reports once it is ready. Who may read ``/load`` is the request guard's call
+(``deepinfer.server.middleware``: the cluster key, or the API key on a worker without a cluster
+secret).
 """
 
 from __future__ import annotations
@@ -27,9 +29,11 @@ from prometheus_client.registry import Collector
 from deepinfer.core.load import LOAD_PATH, WorkerLoad
 from deepinfer.core.roles import Role
 from deepinfer.logger import get_logger
+from deepinfer.web.auth import CLUSTER_KEY_HEADER
 
 logger = get_logger(__name__)
 REGISTER_PATH = "/router/register"
+DEREGISTER_PATH = "/router/deregister"
 router = APIRouter()
 
 
@@ -97,37 +101,50 @@ def advertised_url(host: str, port: int) -> str:
 
 class Registration:
     """Registers ``own_url`` with the router at ``router_url`` once the server answers, then again
-    every ``interval_s`` (a heartbeat: a restarted router relearns its workers). A daemon thread;
-    ``stop`` ends it."""
+    every ``interval_s`` (a heartbeat: a restarted router relearns its workers), proving itself with
+    the cluster secret ``cluster_secret``. A daemon thread; ``stop`` ends it and deregisters the
+    worker (``POST /router/deregister``), so the router forgets it at once."""
 
-    def __init__(self, router_url: str, own_url: str, interval_s: float = 5.0) -> None:
+    def __init__(self, router_url: str, own_url: str, cluster_secret: str, interval_s: float = 5.0) -> None:
         self.router_url = router_url.rstrip("/")
         self.own_url = own_url
         self.interval_s = interval_s
+        self._headers = {CLUSTER_KEY_HEADER: cluster_secret}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="deepinfer-register", daemon=True)
 
     def start(self) -> None:
         self._thread.start()
 
-    def stop(self) -> None:
+    def stop(self, timeout_s: float = 5.0) -> None:
+        """End the heartbeat and deregister (waits up to ``timeout_s`` for the router's answer)."""
         self._stop.set()
+        self._thread.join(timeout_s)
 
     def _run(self) -> None:
         import httpx
 
         registered = False
-        while not self._stop.is_set():
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{self.own_url}/health", timeout=2).status_code == 200:
-                    r = httpx.post(
-                        f"{self.router_url}{REGISTER_PATH}", json={"url": self.own_url}, timeout=10
-                    )
-                    if r.status_code == 200 and not registered:
-                        logger.info("registered with the router at %s as %s", self.router_url, self.own_url)
-                    elif r.status_code != 200:
-                        logger.warning(
-                            "the router at %s refused registration: %s", self.router_url, r.text[:300]
+        with httpx.Client(headers=self._headers) as client:
+            while not self._stop.is_set():
+                with contextlib.suppress(httpx.HTTPError):
+                    if client.get(f"{self.own_url}/health", timeout=2).status_code == 200:
+                        r = client.post(
+                            f"{self.router_url}{REGISTER_PATH}", json={"url": self.own_url}, timeout=10
                         )
-                    registered = r.status_code == 200
-            self._stop.wait(self.interval_s if registered else 0.5)
+                        if r.status_code == 200 and not registered:
+                            logger.info(
+                                "registered with the router at %s as %s", self.router_url, self.own_url
+                            )
+                        elif r.status_code != 200:
+                            logger.warning(
+                                "the router at %s refused registration: %s", self.router_url, r.text[:300]
+                            )
+                        registered = r.status_code == 200
+                self._stop.wait(self.interval_s if registered else 0.5)
+            if registered:
+                try:
+                    client.post(f"{self.router_url}{DEREGISTER_PATH}", json={"url": self.own_url}, timeout=3)
+                    logger.info("deregistered from the router at %s", self.router_url)
+                except httpx.HTTPError as exc:  # the router then forgets it once it stays ejected
+                    logger.warning("could not deregister from the router at %s: %s", self.router_url, exc)

@@ -1,5 +1,6 @@
 """The worker's side: ``engine_load`` read from a real engine as a prompt is computed, and
-``GET /load`` / ``/health`` / ``/metrics`` on a real server."""
+``GET /load`` / ``/health`` / ``/metrics`` on a real server, and who may call its router-only routes
+(``/load``, ``/kv/release``) with which credentials."""
 
 from __future__ import annotations
 
@@ -13,7 +14,10 @@ from deepinfer.core.roles import Role
 from deepinfer.engine.llm_engine import LLMEngine
 from deepinfer.model_zoo import default_model_path
 from deepinfer.sampling_params import SamplingParams
+from deepinfer.web.auth import CLUSTER_KEY_HEADER
 from tests.server.conftest import start_server
+
+KEY, SECRET = "worker-api-key", "worker-cluster-secret-0123456789"
 
 
 @pytest.fixture(scope="module")
@@ -57,5 +61,50 @@ def test_load_endpoint_health_and_role_metric() -> None:
         assert httpx.post(f"{handle.url}/v1/completions", json=body, timeout=60).status_code == 200
         after = msgspec.json.decode(httpx.get(f"{handle.url}{LOAD_PATH}").content, type=WorkerLoad)
         assert after.engine.busy_s > 0 and after.num_in_flight == 0 and after.engine.prefill.tokens == 0
+    finally:
+        gen.close()
+
+
+@pytest.mark.parametrize(
+    ("api_key", "secret"),
+    [(None, None), (KEY, None), (KEY, SECRET)],
+    ids=["open", "api-key", "cluster-secret"],
+)
+def test_router_only_routes_need_the_cluster_key_or_the_api_key(
+    api_key: str | None, secret: str | None
+) -> None:
+    """Issue 34, defect 3: ``GET /load`` (fingerprints, cost model, leases) and ``POST /kv/release``
+    (state-changing) took no key. Now: with a cluster secret only the cluster key opens them (an API
+    key is a 403); without one, the API key does; a worker with neither stays open (loopback behind a
+    plain router). The cluster key opens the client routes too, in place of the API key."""
+    gen = start_server(
+        default_model_path(), runner=lambda engine: None, api_key=api_key, cluster_secret=secret
+    )
+    handle = next(gen)
+    try:
+
+        def ask(path: str, headers: dict[str, str]) -> int:
+            if path == LOAD_PATH:
+                return httpx.get(f"{handle.url}{path}", headers=headers, timeout=30).status_code
+            body = {"handoff_id": "h-1"}
+            return httpx.post(f"{handle.url}{path}", json=body, headers=headers, timeout=30).status_code
+
+        bearer = {"Authorization": f"Bearer {KEY}"}
+        cluster = {CLUSTER_KEY_HEADER: SECRET}
+        for path in (LOAD_PATH, "/kv/release"):
+            if api_key is None:
+                assert ask(path, {}) == 200
+                continue
+            assert ask(path, {}) == 401
+            assert ask(path, {"x-api-key": "wrong"}) in (401, 403)
+            assert ask(path, bearer) == (403 if secret else 200)
+            assert ask(path, cluster) == (200 if secret else 401)
+        if secret is not None:
+            refused = httpx.get(f"{handle.url}{LOAD_PATH}", headers=bearer, timeout=30).json()["error"]
+            assert CLUSTER_KEY_HEADER in refused["message"] and "router only" in refused["message"]
+            assert httpx.get(f"{handle.url}/v1/models", headers=cluster, timeout=30).status_code == 200
+        if api_key is not None:
+            assert httpx.get(f"{handle.url}/v1/models", timeout=30).status_code == 401
+            assert httpx.get(f"{handle.url}/health", timeout=30).status_code == 200
     finally:
         gen.close()
