@@ -7,6 +7,19 @@ messages for the least-loaded core and the cores' token deltas back into cumulat
 request submitted with ``detokenize=True`` gets its completions' text (and its log-probabilities'
 token strings) from an incremental detokenizer in this process.
 
+The channel: one ZeroMQ ROUTER socket. Each core connects through its own ``ipc://`` endpoint, a
+socket file in a private folder (``mkdtemp``: mode 0700, so only this user can reach it), and once
+the core said ready the file and its folder are removed: nothing else can connect, and a front that
+is killed leaves nothing behind (a restarted core gets a fresh endpoint). A frame from a core is
+trusted only as far as its ZeroMQ identity goes: a core speaks for the engine id it was started as
+and for the requests given to it; a frame that claims otherwise, or that does not decode, is dropped
+and counted (``dropped_messages``), never fatal to the reader.
+
+Sends never drop a message: one that the core's pipe has no room for (its high-water mark) waits in
+that core's outbox and leaves, in order, as room frees up. An ``AddRequest`` that cannot leave
+within ``send_timeout_s`` fails its request with :class:`EngineDead` (the core stopped reading);
+aborts and ``Shutdown`` wait as long as their core lives.
+
 Supervision: a watcher per core waits for its process to end. When a core dies (an exception, kill
 -9, the OOM killer), every request it held fails at once with :class:`EngineDead`, the client is
 unhealthy, and then either the core is restarted (``restart=True``, once it had been ready) or
@@ -23,13 +36,13 @@ import errno
 import itertools
 import os
 import shutil
-import sys
 import tempfile
 import time
-import uuid
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import msgspec
 import zmq
 import zmq.asyncio
 
@@ -46,6 +59,10 @@ logger = get_logger(__name__)
 
 Launcher = Callable[[int, str], CoreHandle]
 READ_WAKE_MS = 100
+SEND_TIMEOUT_S = 30.0  # an AddRequest the core's channel has no room for fails after this long
+SEND_RETRY_S = (0.001, 0.05)  # a full outbox retries after 1 ms, backing off to 50 ms
+DROP_LOG_LIMIT = 20  # dropped frames logged one by one; later ones only counted
+MAX_IPC_PATH = 100  # bytes; a Unix socket's path must fit in sun_path (108 on Linux, 104 on macOS)
 
 
 class QueueFull(Exception):
@@ -161,6 +178,16 @@ class _Tracked:
 
 
 @dataclass(slots=True)
+class _Outgoing:
+    """A message waiting for room in its core's pipe; ``request_id``: an AddRequest's, which fails
+    at ``deadline`` (loop time) if still here."""
+
+    frames: list[bytes]
+    request_id: str | None
+    deadline: float
+
+
+@dataclass(slots=True)
 class _Core:
     handle: CoreHandle
     ready: m.Ready | None = None
@@ -168,11 +195,15 @@ class _Core:
     failure: str | None = None  # what its CoreFailed said
     alive: bool = True
     in_flight: int = 0
+    outbox: deque[_Outgoing] = field(default_factory=deque)
+    sender: asyncio.Task | None = None  # drains the outbox while it is not empty
 
 
 class EngineClient:
     """See the module docstring. ``max_queued_requests``: requests admitted beyond the cores'
-    ``max_num_seqs``; more get :class:`QueueFull`."""
+    ``max_num_seqs``; more get :class:`QueueFull`. ``send_timeout_s``: how long an ``AddRequest``
+    may wait for room in its core's channel; ``send_hwm``: the channel's high-water mark (messages
+    queued per core in ZeroMQ before the outbox holds them; ZeroMQ's default when None)."""
 
     def __init__(
         self,
@@ -185,6 +216,8 @@ class EngineClient:
         on_fatal: Callable[[str], None] | None = None,
         request_timeout_s: float | None = None,
         ready_timeout_s: float = 900.0,
+        send_timeout_s: float = SEND_TIMEOUT_S,
+        send_hwm: int | None = None,
     ) -> None:
         self._launcher = launcher
         self.tokenizer = tokenizer
@@ -194,32 +227,34 @@ class EngineClient:
         self._on_fatal = on_fatal
         self.request_timeout_s = request_timeout_s
         self.ready_timeout_s = ready_timeout_s
+        self.send_timeout_s = send_timeout_s
+        self.send_hwm = send_hwm
+        self.dropped_messages = 0  # frames from the channel that were malformed or not the sender's to send
         self.error: str | None = None  # why no core serves (None: healthy or starting)
         self.restarts = 0
         self._cores: dict[int, _Core] = {}
         self._ready: dict[int, asyncio.Future[m.Ready]] = {}
+        self._launched: dict[int, int] = {}  # engine id -> pid of the core process started for it
+        self._early: dict[int, m.Ready] = {}  # a Ready that came before its launcher returned
         self._requests: dict[str, _Tracked] = {}
         self._ids = itertools.count()
         self._stopping = False
-        self._dir: str | None = None
         self._context: zmq.asyncio.Context | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._sock: zmq.asyncio.Socket | None = None
         self._tasks: set[asyncio.Task] = set()
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> list[m.Ready]:
-        """Bind the channel, start every core and wait until each is ready; raises
+        """Open the channel, start every core and wait until each is ready; raises
         :class:`CoreStartupError` if one fails first."""
-        if sys.platform == "linux":  # an abstract socket: no file to leave behind if this process is killed
-            self.address = f"ipc://@deepinfer-{os.getpid()}-{uuid.uuid4().hex}"
-        else:
-            self._dir = tempfile.mkdtemp(prefix="deepinfer-")
-            self.address = f"ipc://{self._dir}/engine"
+        self._loop = asyncio.get_running_loop()
         self._context = zmq.asyncio.Context()
         self._sock = self._context.socket(zmq.ROUTER)
-        self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a full pipe is EAGAIN, never a silent drop
         self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.bind(self.address)
+        if self.send_hwm is not None:
+            self._sock.setsockopt(zmq.SNDHWM, self.send_hwm)
         self._spawn(self._read())
         try:
             return list(await asyncio.gather(*(self._start_core(i) for i in range(self.num_cores))))
@@ -230,18 +265,41 @@ class EngineClient:
     async def _start_core(self, engine_id: int) -> m.Ready:
         loop = asyncio.get_running_loop()
         self._ready[engine_id] = ready = loop.create_future()
-        handle = await asyncio.to_thread(self._launcher, engine_id, self.address)
-        core = self._cores[engine_id] = _Core(handle)
-        self._spawn(self._watch(engine_id, core))
+        self._launched.pop(engine_id, None)
+        self._early.pop(engine_id, None)
+        folder, address = self._open_endpoint()
         try:
-            info = await asyncio.wait_for(asyncio.shield(ready), self.ready_timeout_s)
-        except asyncio.TimeoutError:
-            raise CoreStartupError(
-                f"engine core {engine_id} was not ready after {self.ready_timeout_s:.0f} s"
-            ) from None
-        core.ready = info
+            handle = await asyncio.to_thread(self._launcher, engine_id, address)
+            core = self._cores[engine_id] = _Core(handle)
+            self._launched[engine_id] = handle.pid
+            early = self._early.pop(engine_id, None)
+            if early is not None:
+                self._offer_ready(early)
+            self._spawn(self._watch(engine_id, core))
+            try:
+                info = await asyncio.wait_for(asyncio.shield(ready), self.ready_timeout_s)
+            except asyncio.TimeoutError:
+                raise CoreStartupError(
+                    f"engine core {engine_id} was not ready after {self.ready_timeout_s:.0f} s"
+                ) from None
+        finally:  # connected (or failed): no one else may connect
+            shutil.rmtree(folder, ignore_errors=True)
         logger.info("engine core %d ready (pid %d): %d KV blocks", engine_id, info.pid, info.num_kv_blocks)
         return info
+
+    def _open_endpoint(self) -> tuple[str, str]:
+        """A fresh private folder and an ``ipc://`` endpoint in it, bound; returns both."""
+        folder = tempfile.mkdtemp(prefix="deepinfer-")  # mode 0700
+        if len(os.path.join(folder, "engine").encode()) > MAX_IPC_PATH:
+            shutil.rmtree(folder, ignore_errors=True)
+            raise CoreStartupError(
+                f"the temporary folder {tempfile.gettempdir()!r} has too long a path for the engine "
+                f"channel's socket (at most {MAX_IPC_PATH - len('/deepinfer-XXXXXXXX/engine')} bytes): "
+                "set TMPDIR to a shorter one"
+            )
+        address = f"ipc://{folder}/engine"
+        self._sock.bind(address)
+        return folder, address
 
     async def stop(self, timeout_s: float = 10.0) -> None:
         """Shut every core down (abort what is left; kill a core that does not exit in time)."""
@@ -262,9 +320,6 @@ class EngineClient:
             self._sock.close()
             self._context.term()
             self._sock = None
-        if self._dir is not None:
-            shutil.rmtree(self._dir, ignore_errors=True)
-            self._dir = None
         self._fail_all(EngineDead("the server is shutting down"), None)
 
     def _spawn(self, coro) -> asyncio.Task:
@@ -426,11 +481,63 @@ class EngineClient:
         return len(ids)
 
     def _send(self, engine_id: int, message: m.ToCore) -> None:
-        if self._sock is None:
-            return
-        sent = self._sock.send_multipart([m.identity(engine_id), m.encode(message)], flags=zmq.NOBLOCK)
-        if sent.done() and sent.exception() is not None:  # the core is not connected (dead)
-            logger.warning("engine core %d unreachable: %s", engine_id, sent.exception())
+        """Send ``message`` to a live core, in order and never dropped (see the module docstring):
+        at once when its pipe has room, else through its outbox."""
+        core = self._cores.get(engine_id)
+        if self._sock is None or core is None or not core.alive:
+            return  # a dead core's requests failed with it: there is nothing left to tell it
+        request_id = message.request_id if isinstance(message, m.AddRequest) else None
+        deadline = self._loop.time() + self.send_timeout_s
+        item = _Outgoing([m.identity(engine_id), m.encode(message)], request_id, deadline)
+        if core.outbox or not self._try_send(engine_id, item):
+            core.outbox.append(item)
+            if core.sender is None:
+                core.sender = self._spawn(self._flush(engine_id, core))
+
+    def _try_send(self, engine_id: int, item: _Outgoing) -> bool:
+        """One non-blocking send; False when the core's pipe is full (the message is not sent)."""
+        sent = self._sock.send_multipart(item.frames, flags=zmq.NOBLOCK)  # resolves at once
+        error = sent.exception()
+        if isinstance(error, zmq.Again):
+            return False
+        if error is not None:  # EHOSTUNREACH: not connected, so gone (its watcher fails its requests)
+            logger.warning("engine core %d unreachable: %s", engine_id, error)
+            if item.request_id is not None:
+                self._fail_request(
+                    item.request_id, EngineDead(f"engine core {engine_id} is unreachable: {error}")
+                )
+        return True
+
+    async def _flush(self, engine_id: int, core: _Core) -> None:
+        """Send a core's outbox as its pipe frees up; fail AddRequests still waiting at their deadline."""
+        loop = asyncio.get_running_loop()
+        wait = SEND_RETRY_S[0]
+        try:
+            while core.outbox and core.alive and self._sock is not None:
+                item = core.outbox[0]
+                if item.request_id is not None and loop.time() > item.deadline:
+                    core.outbox.popleft()
+                    self._fail_request(
+                        item.request_id,
+                        EngineDead(
+                            f"engine core {engine_id} did not take the request within {self.send_timeout_s:g} s "
+                            "(its channel stayed full); retry later"
+                        ),
+                    )
+                elif self._try_send(engine_id, item):
+                    core.outbox.popleft()
+                    wait = SEND_RETRY_S[0]
+                else:
+                    await asyncio.sleep(wait)
+                    wait = min(wait * 2, SEND_RETRY_S[1])
+        finally:
+            core.sender = None
+
+    def _fail_request(self, request_id: str, error: BaseException) -> None:
+        """End a request that never reached its core (nothing to abort there)."""
+        tracked = self._untrack(request_id)
+        if tracked is not None:
+            tracked.stream._fail(error)
 
     def _unavailable(self) -> str:
         if self._stopping:
@@ -453,35 +560,81 @@ class EngineClient:
                     raise
             while True:
                 try:
-                    _, payload = shadow.recv_multipart(zmq.NOBLOCK)
+                    frames = shadow.recv_multipart(zmq.NOBLOCK)
                 except zmq.Again:
                     break
-                self._dispatch(m.decode_from_core(payload))
+                self._take(frames)
+
+    def _take(self, frames: list[bytes]) -> None:
+        """Check one frame against its sender's identity and dispatch it, or drop it."""
+        if len(frames) != 2:
+            self._drop(f"a frame of {len(frames)} parts (a core sends 1)")
+            return
+        identity, payload = frames
+        try:
+            message = m.decode_from_core(payload)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            self._drop(f"an undecodable message from {identity[:40]!r}: {exc}")
+            return
+        if identity != m.identity(message.engine_id) or message.engine_id not in self._ready:
+            self._drop(f"a message for engine core {message.engine_id} from {identity[:40]!r}")
+            return
+        self._dispatch(message)
+
+    def _drop(self, what: str) -> None:
+        self.dropped_messages += 1
+        if self.dropped_messages <= DROP_LOG_LIMIT:
+            logger.warning(
+                "engine channel: dropped %s%s",
+                what,
+                "" if self.dropped_messages < DROP_LOG_LIMIT else " (further drops are only counted)",
+            )
 
     def _dispatch(self, message: m.FromCore) -> None:
         if isinstance(message, m.StepOutputs):
             self._deliver(message)
             return
-        future = self._ready.get(message.engine_id)
         if isinstance(message, m.Ready):
-            if future is not None and not future.done():
-                future.set_result(message)
+            if message.engine_id in self._launched:
+                self._offer_ready(message)
+            else:  # its launcher has not returned yet (a core in a thread starts at once)
+                self._early[message.engine_id] = message
             return
-        self._cores[message.engine_id].failure = message.error
-        if message.during_startup and future is not None and not future.done():
-            future.set_exception(CoreStartupError(message.error))
-
-    def _deliver(self, message: m.StepOutputs) -> None:
         core = self._cores.get(message.engine_id)
         if core is not None:
-            core.stats = message.stats
+            core.failure = message.error
+        future = self._ready[message.engine_id]
+        if message.during_startup and not future.done():
+            future.set_exception(CoreStartupError(message.error))
+
+    def _offer_ready(self, message: m.Ready) -> None:
+        """Take a core's Ready if it comes from the process started for that engine id."""
+        expected = self._launched[message.engine_id]
+        if message.pid != expected:
+            self._drop(
+                f"a Ready for engine core {message.engine_id} from pid {message.pid} (its core is pid {expected})"
+            )
+            return
+        future = self._ready[message.engine_id]
+        if not future.done():
+            self._cores[message.engine_id].ready = message
+            future.set_result(message)
+
+    def _deliver(self, message: m.StepOutputs) -> None:
+        engine_id = message.engine_id
+        core = self._cores.get(engine_id)
+        if core is None or core.ready is None:
+            self._drop(f"outputs from engine core {engine_id} before it was ready")
+            return
+        core.stats = message.stats
         for request_id in message.accepted:
-            tracked = self._requests.get(request_id)
+            tracked = self._owned(engine_id, request_id)
             if tracked is not None:
                 tracked.stream._accept()
         for refusal in message.refusals:
-            tracked = self._untrack(refusal.request_id)
+            tracked = self._owned(engine_id, refusal.request_id)
             if tracked is not None:
+                self._untrack(refusal.request_id)
                 error = (
                     RequestRefused(refusal.message, refusal.field)
                     if refusal.invalid
@@ -490,13 +643,24 @@ class EngineClient:
                 tracked.stream._fail(error)
         now = time.monotonic()
         for delta in message.deltas:
-            tracked = self._requests.get(delta.request_id)
+            tracked = self._owned(engine_id, delta.request_id)
             if tracked is None:
                 continue  # closed by its consumer; its abort is on the way
             self._apply(tracked, delta, now)
             if delta.finished:
                 self._untrack(delta.request_id)
             tracked.stream._put(self._output(delta.request_id, tracked, delta.finished))
+
+    def _owned(self, engine_id: int, request_id: str) -> _Tracked | None:
+        """The request ``request_id`` if core ``engine_id`` serves it (a request another core
+        serves is not this core's to report on: dropped)."""
+        tracked = self._requests.get(request_id)
+        if tracked is not None and tracked.engine_id != engine_id:
+            self._drop(
+                f"engine core {engine_id}'s output for {request_id!r}, a request of core {tracked.engine_id}"
+            )
+            return None
+        return tracked
 
     def _apply(self, tracked: _Tracked, delta: m.RequestDelta, now: float) -> None:
         metrics = tracked.metrics
