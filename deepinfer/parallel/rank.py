@@ -30,6 +30,7 @@ import hashlib
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -123,6 +124,23 @@ def check_collective_sequence(
         )
 
 
+def rank_config(config: EngineConfig, rank: int) -> EngineConfig:
+    """The engine config of data-parallel rank ``rank``: with more than one rank, its KV store's disk
+    tier is its own subfolder ``PATH/rank-N`` (one owner per disk tier directory, ``kvstore.owner``)
+    with an even share of ``capacity_gib``; the shared tier stays one directory for all (it is
+    multi-writer by design, one file per block)."""
+    store = config.kv_store
+    if config.data_parallel_size == 1 or store is None or store.path is None:
+        return config
+    own = store.model_copy(
+        update={
+            "path": str(Path(store.path) / f"rank-{rank}"),
+            "capacity_gib": store.capacity_gib / config.data_parallel_size,
+        }
+    )
+    return config.model_copy(update={"kv_store": own})
+
+
 class DataParallelRank:
     """Owns one rank's LLMEngine and its lockstep (see the module docstring). The process group must
     be initialised (``init_group``) before construction; ``close`` leaves it."""
@@ -137,7 +155,7 @@ class DataParallelRank:
             if config.enable_expert_parallel
             else None
         )
-        self.engine = LLMEngine(config, self.shard)
+        self.engine = LLMEngine(rank_config(config, rank), self.shard)
         self.moes = {m.layer: m for m in self.engine.model.modules() if isinstance(m, MoE)}
         self.trace: list[str] | None = [] if envs.get("DEEPINFER_DP_CHECK_COLLECTIVES") else None
         self.recorder: ExpertLoadRecorder | None = None
