@@ -285,7 +285,10 @@ class Planner:
         screen's TTFTs are those of the whole cluster at the same share, for a fraction of the decode
         steps; it also takes a larger share (more samples for a tail percentile) at the same cost.
         A pool whose share is not a whole number of ranks runs the next whole number, split evenly
-        over its EP groups, with proportionally slower forward passes, so its capacity is exact."""
+        over its EP groups, with proportionally slower forward passes, so its capacity is exact.
+        The trace starts with the sessions a steady state has in progress (``arrivals(...,
+        steady_state=True)``): from a cold start, a class's later turns, hours apart for chat, would
+        be missing and the window would carry a fraction of the peak hour's requests."""
         o = self.options
         if ttft_only:
             share = min(1.0, o.prefill_ranks / d.prefill_chips)
@@ -315,8 +318,11 @@ class Planner:
         sim = Simulation(config)
         end = o.cache_warm_s + o.window_s
         drain = o.screen_drain_s if ttft_only else o.drain_s
-        trace = arrivals(self._ttl_spec(d.ttl_scale, start), end + drain, o.seed + 1, share)
-        # Cache-only history, then the window through the scheduler.
+        trace = arrivals(
+            self._ttl_spec(d.ttl_scale, start), end + drain, o.seed + 1, share, steady_state=True
+        )
+        # Cache-only history (the last turn before 0 of each session in progress in the steady state,
+        # then the first cache_warm_s), then the window through the scheduler at the full request rate.
         window = []
         for arrival in trace:
             if arrival.time < o.cache_warm_s:
@@ -377,7 +383,8 @@ class Planner:
            that missed and the smallest that met (at most ``prefill_screens``);
         2. decode: whole-cluster simulations at that prefill size, the same way on the TPOT/ITL
            targets and the finished share (at most ``max_simulations``); one that misses a TTFT
-           target there grows the prefill pool instead.
+           target there grows the prefill pool instead, unless growing it did not shorten the TTFT
+           (by 10%): then the requests wait on the decode pool, which grows.
 
         Returns the cheapest deployment that met every target in a whole-cluster simulation."""
         t0 = time.perf_counter()
@@ -413,15 +420,24 @@ class Planner:
                 pruned.append({"deployment": replace(d, decode_chips=units * d.decode_ep).describe(),
                                "decode_output_rate_needed_over_attainable": miss})  # fmt: skip
                 return False, miss
+            before_growth: tuple[Deployment, float] | None = None  # prefill size before it grew, its miss
             while True:
                 e = self._evaluate(replace(d, decode_chips=units * d.decode_ep), False)
                 evaluations.append(e)
                 if e.meets and (best is None or e.usd_per_day < best.usd_per_day):
                     best = e
-                ttft = [v for k, v in e.misses.items() if k.startswith("ttft")]
-                if not ttft or len(evaluations) >= o.max_simulations:
+                ttft = max((v for k, v in e.misses.items() if k.startswith("ttft")), default=None)
+                if ttft is None:
                     break
-                grown = math.ceil(d.prefill_chips / d.prefill_ep * _growth(max(ttft)))
+                if before_growth is not None and ttft > 0.9 * before_growth[1]:
+                    # A larger prefill pool did not shorten the TTFT: requests wait on the decode pool
+                    # (its KV or sequence slots), so keep the smaller prefill pool and grow decode.
+                    d = before_growth[0]
+                    return False, ttft
+                if len(evaluations) >= o.max_simulations:
+                    break
+                before_growth = (d, ttft)
+                grown = math.ceil(d.prefill_chips / d.prefill_ep * _growth(ttft))
                 d = replace(d, prefill_chips=grown * d.prefill_ep)
             decode = {k: v for k, v in e.misses.items() if not k.startswith("ttft")}
             return not decode, max(decode.values(), default=1.0)
@@ -463,7 +479,7 @@ class Planner:
         storage = (
             d.store_tb * self.options.usd_per_tb_day if self.options.usd_per_tb_day is not None else None
         )
-        ceiling = daily_output_capacity(best.goodput_per_chip, d.chips)
+        ceiling = output_per_day_at_peak_load(self.peak_rate, cache.mean_output_tokens)
         return {
             "deployment": asdict(d) | {"description": d.describe(), "chips": d.chips},
             "slo": self.slo,
@@ -503,12 +519,16 @@ class Planner:
         }  # fmt: skip
 
 
-def daily_output_capacity(output_tokens_per_s_per_chip: float, chips: int) -> float:
-    """Output tokens a day at the rate a deployment of ``chips`` chips sustained at the simulated peak
-    hour. The simulation's per-chip rate divides by every chip the simulated ranks stand for,
-    prefill and decode (:meth:`Planner.simulate`), so it scales back by all of the deployment's
-    chips: 100 tok/s per chip on 24 prefill + 8 decode chips is 100 x 32 x 86,400 = 276.48 M a day."""
-    return output_tokens_per_s_per_chip * chips * 86400
+def output_per_day_at_peak_load(peak_requests_per_s: float, mean_output_tokens: float) -> float:
+    """Output tokens a day at the peak hour's request rate: the load the chosen deployment was
+    simulated to serve within the SLO (a steady-state peak-hour trace), so a lower bound on its
+    capacity, and never below the day's output (the same requests at the mean rate). Hand-computed:
+    40 requests/s of 100 output tokens is 40 x 100 x 86,400 = 345.6 M tokens a day.
+
+    (It was the simulated output rate per chip times the decode chips, while that rate divides by
+    every chip, prefill and decode; and a window of a few seconds, which starts with an empty
+    decode pool, measures below the load it serves.)"""
+    return peak_requests_per_s * mean_output_tokens * 86400
 
 
 def _growth(miss: float) -> float:

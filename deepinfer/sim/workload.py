@@ -20,6 +20,7 @@ import heapq
 import itertools
 import math
 import random
+import statistics
 import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -199,51 +200,116 @@ def segment_token_ids(segment: Segment) -> tuple[int, ...]:
     return tuple(((base + 7919 * np.arange(segment.tokens, dtype=np.int64)) % _VOCAB).tolist())
 
 
-def arrivals(spec: WorkloadSpec, duration_s: float, seed: int = 0, share: float = 1.0) -> Iterator[Arrival]:
+def arrivals(
+    spec: WorkloadSpec, duration_s: float, seed: int = 0, share: float = 1.0, steady_state: bool = False
+) -> Iterator[Arrival]:
     """The trace of ``duration_s`` seconds, in arrival order. ``share`` (0, 1] keeps that fraction of
     the sessions (every turn of a kept session), which is how one simulated replica gets its share
-    of a cluster's traffic."""
+    of a cluster's traffic.
+
+    By default no session is in progress at time 0, so a class with several turns a session reaches
+    its request rate only after its revisit gaps have passed (hours for chat users). With
+    ``steady_state`` the trace starts in the steady state instead: it first yields, at negative
+    times, the last turn before 0 of every session in progress at 0 (:func:`_in_progress`; its
+    prompt carries the session's earlier turns), each followed by its next turn after 0, so the
+    request rate is the classes' from time 0 (a caller feeds the turns before 0 to its caches only).
+    """
     if not 0 < share <= 1:
         raise ValueError(f"share must be in (0, 1], got {share}")
     rng = random.Random(seed)
-    heap: list[tuple[float, int, int, TrafficClass, int, tuple, tuple[Segment, ...]]] = []
+    # (time, order, class index, class, turn, session, history, next turn's time if already known)
+    heap: list[tuple[float, int, int, TrafficClass, int, tuple, tuple[Segment, ...], float | None]] = []
     counter = 0
+    weights_cache: dict[str, list[float]] = {}
     for index, cls in enumerate(spec.classes):
         # Sessions start at rate / turns; thinning against the peak handles the time-of-day profile.
         peak = cls.rate_per_s * cls.peak_factor * share / cls.turns_per_session
         t = rng.expovariate(peak)
-        heapq.heappush(heap, (t, counter, index, cls, -1, (), ()))
+        heapq.heappush(heap, (t, counter, index, cls, -1, (), (), None))
         counter += 1
-    weights_cache: dict[str, list[float]] = {}
+        if steady_state:
+            for entry in _in_progress(spec, index, share, seed, weights_cache):
+                heapq.heappush(heap, (entry[0], counter, index, cls, *entry[1:]))
+                counter += 1
     while heap:
-        t, _, index, cls, turn, session, history = heapq.heappop(heap)
+        t, _, index, cls, turn, session, history, next_time = heapq.heappop(heap)
         if t >= duration_s:
             continue
         if turn < 0:  # a session start candidate: schedule the next candidate, maybe start a session
             peak = cls.rate_per_s * cls.peak_factor * share / cls.turns_per_session
-            heapq.heappush(heap, (t + rng.expovariate(peak), counter, index, cls, -1, (), ()))
+            heapq.heappush(heap, (t + rng.expovariate(peak), counter, index, cls, -1, (), (), None))
             counter += 1
             if rng.random() * cls.rate_per_s * cls.peak_factor > cls.rate_at(t, spec.start_hour):
                 continue
-            weights = weights_cache.setdefault(
-                cls.name, [1 / (k + 1) ** cls.system_prompt_zipf for k in range(cls.system_prompts)]
-            )
-            prompt_id = rng.choices(range(cls.system_prompts), weights)[0]
-            sys_rng = random.Random(f"{cls.name}/{prompt_id}")  # the same prefix has the same length
-            system = Segment(
-                ("sys", cls.name, prompt_id), max(1, round(cls.system_prompt_tokens.sample(sys_rng)))
-            )
-            session, history, turn = (cls.name, counter), (system,), 0
+            session, history, turn = (cls.name, counter), (_system_segment(cls, rng, weights_cache),), 0
             counter += 1
         new_input = Segment(("in", session, turn), max(1, round(cls.input_tokens.sample(rng))))
         output = max(1, round(cls.output_tokens.sample(rng)))
         request_id = f"{cls.name}-{session[1]}-{turn}"
         yield Arrival(t, request_id, cls.name, (*history, new_input), output)
-        # The next turn: geometric number of turns with the class's mean.
-        if rng.random() < 1 - 1 / cls.turns_per_session:
+        # The next turn: geometric number of turns with the class's mean (known for a session that
+        # was in progress at time 0).
+        if next_time is not None or rng.random() < 1 - 1 / cls.turns_per_session:
             turn_segment = Segment(
                 ("turn", new_input.key, new_input.tokens, request_id), new_input.tokens + output
             )
-            gap = cls.revisit_gap_s.sample(rng)
-            heapq.heappush(heap, (t + gap, counter, index, cls, turn + 1, session, (*history, turn_segment)))
+            when = next_time if next_time is not None else t + cls.revisit_gap_s.sample(rng)
+            heapq.heappush(
+                heap, (when, counter, index, cls, turn + 1, session, (*history, turn_segment), None)
+            )
             counter += 1
+
+
+def _system_segment(cls: TrafficClass, rng: random.Random, weights_cache: dict[str, list[float]]) -> Segment:
+    """A new session's shared prefix: one of the class's system prompts, by their Zipf popularity."""
+    weights = weights_cache.setdefault(
+        cls.name, [1 / (k + 1) ** cls.system_prompt_zipf for k in range(cls.system_prompts)]
+    )
+    prompt_id = rng.choices(range(cls.system_prompts), weights)[0]
+    sys_rng = random.Random(f"{cls.name}/{prompt_id}")  # the same prefix has the same length
+    return Segment(("sys", cls.name, prompt_id), max(1, round(cls.system_prompt_tokens.sample(sys_rng))))
+
+
+#: Gaps drawn to sample the length-biased gap in progress (at least; 4x the sessions expected).
+GAP_POOL = 10_000
+
+
+def _in_progress(
+    spec: WorkloadSpec, index: int, share: float, seed: int, weights_cache: dict[str, list[float]]
+) -> list[tuple[float, int, tuple, tuple[Segment, ...], float]]:
+    """The sessions of class ``index`` in progress at time 0 in the steady state, each as (time of
+    its last turn before 0, that turn's index, session, history before that turn, time of its next
+    turn after 0).
+
+    A session in progress at 0 is one whose revisit gap spans 0. Gaps start at rate ``lam * (m - 1)``
+    (``lam`` sessions a second, at the rate of time 0; ``m`` turns a session, so ``m - 1`` gaps), so
+    the number spanning 0 is Poisson with mean ``lam * (m - 1) * E[gap]``; a spanning gap is drawn
+    length-biased (in proportion to its length, from a pool of draws) and 0 falls uniformly inside
+    it. The turns a session had completed are geometric with mean ``m`` (the turn count is
+    memoryless); each earlier turn's input and output lengths are drawn as the class's."""
+    cls = spec.classes[index]
+    m = cls.turns_per_session
+    lam = cls.rate_at(0.0, spec.start_hour) * share / m
+    if m <= 1 or lam <= 0:
+        return []
+    rng = random.Random(f"{seed}/in-progress/{cls.name}")
+    expected = lam * (m - 1) * cls.revisit_gap_s.expected
+    pool = [cls.revisit_gap_s.sample(rng) for _ in range(max(GAP_POOL, 4 * math.ceil(expected)))]
+    count = int(np.random.default_rng(rng.getrandbits(63)).poisson(lam * (m - 1) * statistics.fmean(pool)))
+    out = []
+    for i, gap in enumerate(rng.choices(pool, weights=pool, k=count)):
+        after = rng.random() * gap  # the next turn comes this long after 0
+        done = 1
+        while rng.random() < 1 - 1 / m:
+            done += 1
+        session = (cls.name, f"p{i}")
+        history: tuple[Segment, ...] = (_system_segment(cls, rng, weights_cache),)
+        for turn in range(done - 1):
+            new_input = Segment(("in", session, turn), max(1, round(cls.input_tokens.sample(rng))))
+            output = max(1, round(cls.output_tokens.sample(rng)))
+            request_id = f"{cls.name}-{session[1]}-{turn}"
+            history += (
+                Segment(("turn", new_input.key, new_input.tokens, request_id), new_input.tokens + output),
+            )
+        out.append((after - gap, done - 1, session, history, after))
+    return out

@@ -6,13 +6,14 @@ plan reported more output a day than its capacity)."""
 from __future__ import annotations
 
 import json
+import statistics
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from deepinfer.sim.planner import Planner, daily_output_capacity, parse_slo
+from deepinfer.sim.planner import Planner, output_per_day_at_peak_load, parse_slo
 from deepinfer.sim.workload import WorkloadSpec
 from tests.conftest import REPO_ROOT
 from tests.sim.test_planner import FAST, small
@@ -126,24 +127,26 @@ def test_memory_plan_of_the_bundled_model() -> None:
     assert [p["ep"] for p in json.loads(proc.stdout)] == [1, 8]
 
 
-def test_daily_output_capacity_counts_every_chip() -> None:
-    """Hand-computed: 100 tok/s per chip over 24 prefill + 8 decode chips."""
-    assert daily_output_capacity(100.0, 24 + 8) == 100 * 32 * 86_400 == 276_480_000
+def test_the_output_capacity_at_peak_load_by_hand() -> None:
+    assert output_per_day_at_peak_load(40.0, 100.0) == 40 * 100 * 86_400 == 345_600_000
 
 
-def test_a_plan_never_reports_more_daily_output_than_its_capacity() -> None:
-    """A day whose peak hour runs at twice the mean rate (one request a session): the capacity at
-    the peak load is about twice the day's output, and is the simulation's per-chip rate times all
-    the chips (before the fix: times the decode chips only, below the day's output)."""
+@pytest.mark.parametrize("turns", [1.0, 3.0], ids=["single requests", "sessions of 3 turns"])
+def test_a_plan_never_reports_more_daily_output_than_its_capacity(turns: float) -> None:
+    """A day whose peak hour runs at twice the mean rate: the capacity at the peak load is twice the
+    day's output (before: the simulated rate per chip, which divides by all chips, times the decode
+    chips only, below the day's output). The simulated window carries the peak hour's requests:
+    with sessions, its trace starts in their steady state (before: from none in progress, so the
+    window held the first turns only)."""
     profile = [2.0 if h == 0 else 1.0 for h in range(24)]
-    chat = small().classes[0].model_copy(update={"time_of_day": profile, "turns_per_session": 1.0})
+    chat = small().classes[0].model_copy(update={"time_of_day": profile, "turns_per_session": turns})
     spec = WorkloadSpec.model_validate(small().model_copy(update={"classes": [chat]}).model_dump())
     report = Planner(spec, "gb200", parse_slo("ttft_p99=3s,tpot_p99=100ms"), FAST).plan()
-    chips = report["deployment"]["chips"]
-    assert report["deployment"]["prefill_chips"] > 0 and chips > report["deployment"]["decode_chips"]
-    per_chip = report["simulation"]["output_tokens_per_s_per_chip"]
     capacity = report["output_tokens_per_day_capacity_at_peak_load"]
-    assert capacity == pytest.approx(per_chip * chips * 86_400)
-    assert report["output_tokens_per_day"] < capacity
-    offered_at_peak = report["peak_requests_per_s"] * 100 * 86_400  # 100 output tokens a request
-    assert capacity == pytest.approx(offered_at_peak, rel=0.25)
+    assert report["peak_requests_per_s"] == 40
+    assert capacity == pytest.approx(40 * 100 * 86_400)  # 100 output tokens a request
+    assert report["output_tokens_per_day"] == pytest.approx(capacity * statistics.fmean(profile) / 2)
+    simulated = report["simulation"]
+    share = simulated["simulated"]["traffic_share"]
+    arrived_per_s = simulated["requests_arrived"] / simulated["window_s"] / share
+    assert arrived_per_s == pytest.approx(40, rel=0.3)  # the peak hour's request rate
