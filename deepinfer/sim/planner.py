@@ -14,7 +14,8 @@ How a search runs (and how it scales to a cluster it cannot simulate whole):
    the prefill and decode pools for the peak hour. Candidates are these sizes and larger ones.
 3. **Step stage** (the engine's real scheduler, the router's policies, the store's retention): a
    share of the peak-hour traffic through a few ranks of each pool after ``cache_warm_s`` of
-   cache-only history; a pool whose share is not a whole number of ranks runs the next whole number
+   cache-only history, the trace starting with the sessions a steady state has in progress (so
+   the window carries the peak hour's request rate, later turns included); a pool whose share is not a whole number of ranks runs the next whole number
    with proportionally slower forward passes, so its capacity is exact. Prefill is sized first by
    *TTFT screens* (``prefill_ranks`` prefill ranks, every request ending at its first token: a
    two-hop request's TTFT does not depend on the decode pool, and the screen costs a fraction of a
