@@ -10,7 +10,7 @@ import os
 import sys
 
 from deepinfer import envs
-from deepinfer.threads import apply_thread_policy
+from deepinfer.threads import apply_thread_policy, thread_environment
 
 # Thresholds raised so large temporaries stay in the heap (no mmap/munmap and page faults every step),
 # and the heap advised for transparent huge pages (hugetlb=1, glibc >= 2.35; where the kernel's THP mode is
@@ -23,16 +23,18 @@ MALLOC_TUNABLES = (
 
 
 def reexec_with_malloc_tuning() -> None:
-    """Prepare a command-line entry point's process for the engine, before it imports torch: apply
-    the OpenMP thread policy (:mod:`deepinfer.threads`; the re-exec inherits it), then re-execute
-    this process once with glibc's malloc thresholds raised: without it, large temporaries are
-    mmapped and unmapped every step and page faults can double the run time."""
-    apply_thread_policy()
+    """Prepare an entry point's process for the engine (call it first, before heavy work): apply
+    the OpenMP thread policy (:mod:`deepinfer.threads`), and re-execute this process once with what
+    only a new process can take: glibc's malloc thresholds raised (without them, large temporaries
+    are mmapped and unmapped every step and page faults can double the run time), and the thread
+    policy when OpenMP was already loaded (a script that imported torch first)."""
+    in_force = apply_thread_policy()
+    env = dict(os.environ) if in_force else thread_environment(os.environ)
     if (
-        os.environ.get("GLIBC_TUNABLES")
-        or not envs.get("DEEPINFER_MALLOC_TUNING")
-        or not sys.platform.startswith("linux")
+        not os.environ.get("GLIBC_TUNABLES")
+        and envs.get("DEEPINFER_MALLOC_TUNING")
+        and sys.platform.startswith("linux")
     ):
-        return
-    env = {**os.environ, "GLIBC_TUNABLES": MALLOC_TUNABLES}
-    os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)
+        env["GLIBC_TUNABLES"] = MALLOC_TUNABLES
+    if env != dict(os.environ) and os.name == "posix":
+        os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)

@@ -22,15 +22,16 @@ DEFAULT = "GOMP_SPINCOUNT = '300000'"
 ACTIVE = "GOMP_SPINCOUNT = '30000000000'"
 
 
-def run(args: list[str], **env: str) -> subprocess.CompletedProcess:
-    """``args`` under this Python, with no OpenMP policy in the environment unless ``env`` sets one."""
+def run(args: list[str], runtimes: int = 1, **env: str) -> subprocess.CompletedProcess:
+    """``args`` under this Python, with no OpenMP policy in the environment unless ``env`` sets one;
+    ``runtimes``: the OpenMP runtimes expected to report (a re-exec after torch loaded: 2)."""
     base = {k: v for k, v in os.environ.items() if k not in THREAD_POLICY and k != "GLIBC_TUNABLES"}
     proc = subprocess.run(
         [sys.executable, *args], cwd=REPO_ROOT, capture_output=True, text=True, timeout=300,
         env={**base, "DEEPINFER_ACCELERATOR": "cpu", "OMP_DISPLAY_ENV": "VERBOSE", **env},
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert proc.stderr.count("GOMP_SPINCOUNT") == 1, proc.stderr[-2000:]  # one runtime, one report
+    assert proc.stderr.count("GOMP_SPINCOUNT") == runtimes, proc.stderr[-2000:]  # one report a runtime
     return proc
 
 
@@ -75,3 +76,14 @@ def test_llm_after_torch_says_how_to_fix_it(tiny_model: Path) -> None:
         "OpenMP was loaded (torch imported) before deepinfer could set OMP_WAIT_POLICY=PASSIVE" in proc.stderr
     )
     assert PASSIVE in run(["-c", script], OMP_WAIT_POLICY="PASSIVE").stderr  # the fix it names
+
+
+@pytest.mark.parametrize(
+    "malloc", ["", "glibc.malloc.hugetlb=0"], ids=["with the malloc re-exec", "without it"]
+)
+def test_a_script_that_imported_torch_first_is_re_executed(malloc: str) -> None:
+    """The bench scripts import torch before they call ``reexec_with_malloc_tuning()``: the re-exec
+    (also when the malloc tuning needs none) brings the policy; the first runtime spun."""
+    script = "import torch\nfrom deepinfer.malloc_tuning import reexec_with_malloc_tuning\nreexec_with_malloc_tuning()\n"
+    stderr = run(["-c", script], runtimes=2, **({"GLIBC_TUNABLES": malloc} if malloc else {})).stderr
+    assert stderr.index(DEFAULT) < stderr.index(PASSIVE)
