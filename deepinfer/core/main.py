@@ -1,7 +1,10 @@
 """``python -m deepinfer.core.main SPEC_JSON``: one engine core process (started by the API front).
 
 It ties its life to the front's (``PR_SET_PDEATHSIG`` where Linux offers it; the core loop also
-checks its parent), loads the engine, says ready and serves until told to stop. A failure while
+checks its parent), loads the engine, says ready and serves until told to stop. Only its front
+stops it: SIGINT and SIGTERM, which a Ctrl-C, ``timeout``, systemd or a container runtime send to
+the whole process group, are ignored, so the front can drain its requests through the core and then
+send it ``Shutdown`` (a front that dies takes the core with it all the same). A failure while
 loading is reported to the front as ``CoreFailed(during_startup=True)`` (a configuration error:
 the front exits instead of restarting); the exit status is non-zero after any failure.
 """
@@ -47,7 +50,8 @@ def report_startup_failure(spec: CoreSpec, error: BaseException) -> None:
 def main(argv: list[str]) -> int:
     spec = spec_from_argv(argv)
     die_with_parent(spec.parent_pid)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the front drains us
+    for signum in (signal.SIGINT, signal.SIGTERM):  # sent to the whole group: the front drains us
+        signal.signal(signum, signal.SIG_IGN)
     from deepinfer.core.engine_core import EngineCore
     from deepinfer.engine.llm_engine import LLMEngine
 

@@ -28,6 +28,22 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def group_members(pgid: int) -> list[int]:
+    """The live (not zombie) processes of process group ``pgid``."""
+    members = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat") as f:
+                fields = f.read().rsplit(") ", 1)[-1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            members.append(int(name))
+    return members
+
+
 def alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -72,16 +88,26 @@ class Served:
 
 
 @contextlib.contextmanager
-def serve(model: Path, *args: str, name: str = "tiny", timeout: float = 90) -> Iterator[Served]:
+def serve(
+    model: Path, *args: str, name: str = "tiny", timeout: float = 90, new_session: bool = False
+) -> Iterator[Served]:
     """Start ``deepinfer serve`` and wait until healthy; on exit, SIGKILL whatever is left (front and
-    core, by PID) and assert nothing survives."""
+    core, by PID) and assert nothing survives. ``new_session``: in a session and process group of
+    its own (its group id is its PID), as a service manager starts it."""
     port = free_port()
     log = Path(tempfile.mkstemp(prefix="deepinfer-serve-", suffix=".log")[1])
     command = [sys.executable, "-m", "deepinfer.cli", "serve", "--model", str(model), "--port", str(port)]
     command += ["--served-model-name", name, *SMALL_KV, *args]
     env = {**os.environ, "DEEPINFER_MALLOC_TUNING": "0", "DEEPINFER_ACCELERATOR": "cpu"}
     with open(log, "w") as out:
-        proc = subprocess.Popen(command, cwd=REPO_ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(
+            command,
+            cwd=REPO_ROOT,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=new_session,
+        )
     served = Served(proc, f"http://127.0.0.1:{port}", log)
     cores: set[int] = set()
     try:

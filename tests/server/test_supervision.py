@@ -1,6 +1,7 @@
 """The engine core as a supervised process: SIGKILL it under 32 streaming clients of all four APIs
 (every client gets an error in its API's shape within 5 s, the server exits non-zero, no process is
-left), or with ``--restart-engine`` watch the server serve again; SIGTERM drains."""
+left), or with ``--restart-engine`` watch the server serve again; SIGTERM drains, sent to the
+server alone or to its whole process group (as ``timeout``, systemd and container runtimes do)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.server.serve_process import Served, alive, serve
+from tests.server.serve_process import Served, alive, group_members, serve
 
 NAME = "tiny"
 USER = [{"role": "user", "content": "tell me a long story"}]
@@ -213,3 +214,29 @@ def test_sigterm_past_the_drain_timeout_cuts_streams_with_an_error(deepseek_mode
         failed = failed_by_the_kill(streams, terminated, within_s=1.5)
         assert all("drain timeout" in str(s.events) for s in failed)
         assert served.proc.wait(timeout=30) == 0, served.output[-2000:]
+
+
+def test_sigterm_to_the_process_group_drains_every_stream_and_exits_zero(deepseek_model: Path) -> None:
+    """The engine core gets the group's SIGTERM too: it used to die of it (its streams failed with
+    "the engine failed", exit 1); it ignores it, and its front stops it after the drain."""
+    with serve(deepseek_model, "--drain-timeout", "120", new_session=True) as served:
+        pgid = served.proc.pid
+        seen = {}
+
+        async def terminate() -> None:
+            seen["core"] = served.core_pid()
+            assert sorted(group_members(pgid)) == sorted([pgid, seen["core"]])
+            os.killpg(pgid, signal.SIGTERM)
+            await asyncio.sleep(0.5)
+            seen["core_alive"] = alive(seen["core"])
+
+        streams, _ = asyncio.run(streams_then(served, 1, 300, terminate))
+        unfinished = [(s.api, s.events[-2:]) for s in streams if not s.finished_normally]
+        assert not unfinished, unfinished
+        assert seen["core_alive"], "the engine core died of the group's SIGTERM"
+        assert served.proc.wait(timeout=60) == 0, served.output[-2000:]
+        deadline = time.monotonic() + 10
+        while group_members(pgid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not group_members(pgid), f"left in the server's process group: {group_members(pgid)}"
+        assert not alive(seen["core"])
