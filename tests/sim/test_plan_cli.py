@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from deepinfer.sim.planner import Planner, output_per_day_at_peak_load, parse_slo
+from deepinfer.sim.planner import Evaluation, Planner, output_per_day_at_peak_load, parse_slo
 from deepinfer.sim.workload import WorkloadSpec
 from tests.conftest import REPO_ROOT
 from tests.sim.test_planner import FAST, small
@@ -150,3 +150,30 @@ def test_a_plan_never_reports_more_daily_output_than_its_capacity(turns: float) 
     share = simulated["simulated"]["traffic_share"]
     arrived_per_s = simulated["requests_arrived"] / simulated["window_s"] / share
     assert arrived_per_s == pytest.approx(40, rel=0.3)  # the peak hour's request rate
+
+
+def test_a_ttft_miss_that_a_larger_prefill_pool_does_not_fix_grows_decode(monkeypatch) -> None:
+    """Whole-cluster runs whose TTFT waits on the decode pool (as the chat + agent plan's did at its
+    full peak load): growing prefill once does not help, so decode grows, and the plan keeps the
+    prefill size its TTFT screens chose (before: prefill grew until the budget ran out, no plan)."""
+    planner = Planner(small(), "gb200", parse_slo("ttft_p99=3s,tpot_p99=100ms"), FAST.model_copy(update={"max_simulations": 6}))  # fmt: skip
+    monkeypatch.setattr(planner, "decode_miss", lambda cache, d: None)
+    seen = []
+
+    def evaluate(d, ttft_only):
+        seen.append((ttft_only, d.prefill_chips, d.decode_chips))
+        decode_bound = not ttft_only and d.decode_chips < 4 * d.decode_ep
+        result = {"ttft_s": {"p99": 7.5 if decode_bound else 1.0}, "tpot_s": {"p99": 0.05},
+                  "tokens_per_s_per_user": 20.0, "output_tokens_per_s_per_chip": 100.0, "requests_arrived": 50}  # fmt: skip
+        return Evaluation(d, planner.usd_per_day(d), result, {"ttft_p99": 2.5} if decode_bound else {})
+
+    monkeypatch.setattr(planner, "_evaluate", evaluate)
+    report = planner.plan()
+    whole = [(p, dc) for ttft_only, p, dc in seen if not ttft_only]
+    screened = whole[0][0]  # the prefill size the TTFT screens chose
+    assert report["deployment"]["prefill_chips"] == screened
+    assert report["deployment"]["decode_chips"] >= 4 * report["deployment"]["decode_ep"]
+    assert whole[1][0] > whole[0][0] and whole[2] == (
+        screened,
+        whole[0][1] * 2,
+    )  # grew prefill once, then decode
