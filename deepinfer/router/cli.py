@@ -147,7 +147,7 @@ def serve_router(config: RouterConfig) -> None:
     print(f"deepinfer router: http://{config.host}:{config.port} ({config.prefill_policy})", flush=True)
     uvicorn.run(
         build_router_app(config), host=config.host, port=config.port, log_level=config.log_level,
-        timeout_graceful_shutdown=5,
+        timeout_graceful_shutdown=30,  # SIGTERM: streams in flight may finish (serve's drain default)
     )  # fmt: skip
 
 
