@@ -256,6 +256,21 @@ def server_config(args: argparse.Namespace, model: Path) -> ServerConfig:
     )
 
 
+def kv_store_summary(engine: EngineConfig) -> str:
+    """The startup banner's words for the engine's KV store: ``off``, or ``on`` and where each tier
+    lives (host memory size, disk folder, shared folder)."""
+    store = engine.kv_store
+    if store is None:
+        return "off"
+    tiers = [f"host memory {store.host_cache_gib:g} GiB"]
+    if store.path is not None:
+        per_rank = " (a rank-N subfolder per data-parallel rank)" if engine.data_parallel_size > 1 else ""
+        tiers.append(f"disk {store.path}{per_rank}, {store.capacity_gib:g} GiB")
+    if store.shared_path is not None:
+        tiers.append(f"shared {store.shared_path}, {store.shared_capacity_gib:g} GiB")
+    return "on: " + "; ".join(tiers)
+
+
 def bind(host: str, port: int) -> socket.socket:
     """A listening TCP socket on ``host:port`` (raises OSError saying why not)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -350,7 +365,7 @@ def _serve(
             f"deepinfer serve: model {config.served_model_name!r} at http://{host}:{port}/v1 | "
             f"role {worker_role(app.state.serving).value} | auth {auth} | "
             f"engine core pid {info.pid}: {info.description}, context {info.max_model_len}, "
-            f"{info.num_kv_blocks} KV blocks of {info.block_size} tokens"
+            f"{info.num_kv_blocks} KV blocks of {info.block_size} tokens | KV store {kv_store_summary(engine)}"
         )
 
     lower_front_priority(config.front_nice, keep={spawner.native_id})

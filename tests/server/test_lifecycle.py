@@ -70,7 +70,25 @@ def test_deepinfer_serve_runs_until_interrupted(deepseek_model: Path) -> None:
         output = proc.communicate(timeout=30)[0]
     assert proc.returncode == 0, output
     assert "model 'cli-model' at http://127.0.0.1:" in output and "auth on" in output  # the banner
+    assert "| KV store off" in output
     assert re.search(r"Finished server process", output)
+
+
+def test_the_banner_says_whether_a_kv_store_is_on_and_where(deepseek_model: Path, tmp_path: Path) -> None:
+    from deepinfer.config import EngineConfig
+    from deepinfer.kvstore.config import KVStoreConfig
+    from deepinfer.server.launch import kv_store_summary
+
+    assert kv_store_summary(EngineConfig(model=str(deepseek_model))) == "off"
+    store = KVStoreConfig(
+        host_cache_gib=0.5, path=str(tmp_path / "disk"), shared_path=str(tmp_path / "shared")
+    )
+    summary = kv_store_summary(EngineConfig(model=str(deepseek_model), kv_store=store))
+    assert summary == (
+        f"on: host memory 0.5 GiB; disk {tmp_path / 'disk'}, 16 GiB; shared {tmp_path / 'shared'}, 64 GiB"
+    )
+    host_only = kv_store_summary(EngineConfig(model=str(deepseek_model), kv_store=KVStoreConfig()))
+    assert host_only == "on: host memory 1 GiB"
 
 
 class ExplodingRunner(ScriptedRunner):
