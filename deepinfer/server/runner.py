@@ -9,7 +9,10 @@ that fails first is a one-line error, exit 2), serve with :class:`Server`, then 
 - SIGTERM / SIGINT start a **drain** instead of stopping at once: new requests get 503 with
   Retry-After (``/health`` too), requests in flight may finish for up to ``drain_timeout_s``; the
   rest are then ended with an error (on streams: an error event, then ``[DONE]`` where the API
-  uses it), and the server stops with exit code 0. A second signal stops it at once.
+  uses it), and the server stops with exit code 0. A second signal stops it at once. The signal
+  may come to this process alone or to its whole process group (``timeout``, systemd, container
+  runtimes, Ctrl-C): the engine cores ignore SIGTERM and SIGINT (``deepinfer.core.main``), serve
+  the drain, and are stopped by :func:`run` after it.
 - :meth:`Server.fatal` (the client calls it when a core died and is not restarted) stops it with
   exit code 1, after the failed requests' errors were sent.
 
