@@ -4,7 +4,8 @@ An :class:`EngineCore` connects a ZeroMQ DEALER socket (identity: its ``engine_i
 ROUTER, says :class:`~deepinfer.core.messages.Ready`, then loops: take every queued message (adds,
 aborts, shutdown), run one engine step while there is work, and send the step's token deltas with
 the engine's stats. Idle, it blocks on the socket (no polling) and wakes once a second to check
-that its parent (the front) is alive; when the parent is gone, it exits.
+that its parent (the front) is alive; when the parent is gone, it exits. Its sends block while the
+front's pipe is full (backpressure: nothing it sends is dropped).
 
 A request the engine refuses (``ValueError``) or fails to add (any other exception) is answered with
 a :class:`~deepinfer.core.messages.Refusal`; the other requests carry on. An exception in a step is

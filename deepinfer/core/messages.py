@@ -1,8 +1,10 @@
 """The typed messages between an API front and its engine cores (msgpack via msgspec).
 
-Transport: the front binds one ZeroMQ ROUTER socket; every core connects a DEALER whose identity is
-its ``engine_id`` (:func:`identity`), so one front can address several cores (data-parallel ranks,
-prefill or decode workers) and each reply says which core sent it. Front -> core:
+Transport: the front binds one ZeroMQ ROUTER socket (a private ``ipc://`` endpoint per core, see
+``deepinfer.core.client``); every core connects a DEALER whose identity is its ``engine_id``
+(:func:`identity`), so one front can address several cores (data-parallel ranks, prefill or decode
+workers) and each reply says which core sent it (the front drops a reply whose ``engine_id`` is not
+its sender's). Front -> core:
 :class:`AddRequest`, :class:`AbortRequests`, :class:`Shutdown`. Core -> front: :class:`Ready` once
 (after the model loaded), then :class:`StepOutputs` (per-request token deltas, refusals and the
 core's :class:`EngineStats`) and, if it fails, one :class:`CoreFailed` before it exits.
