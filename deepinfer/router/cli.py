@@ -18,8 +18,13 @@ def _default(field: str) -> object:
 
 def add_router_options(parser: argparse.ArgumentParser) -> None:
     """Options shared by ``router`` and ``cluster`` (how requests are routed)."""
-    parser.add_argument("--host", default=_default("host"))
-    parser.add_argument("--port", type=int, default=_default("port"))
+    parser.add_argument("--host", default=_default("host"), help="address the router listens on")
+    parser.add_argument("--port", type=int, default=_default("port"), help="TCP port the router listens on")
+    parser.add_argument(
+        "--api-key",
+        help="require this key from clients on /v1/*, the API docs and /router/workers (default: "
+        "DEEPINFER_API_KEY; unset: no key needed)",
+    )
     parser.add_argument(
         "--model",
         help="model folder whose tokenizer the router counts prompt tokens with (default: the bundled one)",
@@ -49,17 +54,63 @@ def add_router_options(parser: argparse.ArgumentParser) -> None:
         default=_default("min_disaggregated_tokens"),
         help="prompts shorter than this go straight to a decode-capable worker",
     )
-    parser.add_argument("--request-timeout-s", type=float, default=_default("request_timeout_s"))
-    parser.add_argument("--first-byte-timeout-s", type=float, default=_default("first_byte_timeout_s"))
-    parser.add_argument("--max-attempts", type=int, default=_default("max_attempts"))
+    parser.add_argument(
+        "--request-timeout-s",
+        type=float,
+        default=_default("request_timeout_s"),
+        help="each request's deadline in seconds, retries included",
+    )
+    parser.add_argument(
+        "--first-byte-timeout-s",
+        type=float,
+        default=_default("first_byte_timeout_s"),
+        help="streaming: a worker that sends no output within this many seconds is retried elsewhere",
+    )
+    parser.add_argument(
+        "--max-attempts", type=int, default=_default("max_attempts"), help="workers tried per request"
+    )
     parser.add_argument(
         "--kv-lease-s",
         type=float,
         default=_default("kv_lease_s"),
         help="how long a prefill worker holds handed-off KV blocks for the decode worker",
     )
-    parser.add_argument("--poll-interval-s", type=float, default=_default("poll_interval_s"))
-    parser.add_argument("--poll-timeout-s", type=float, default=_default("poll_timeout_s"))
+    parser.add_argument(
+        "--poll-interval-s",
+        type=float,
+        default=_default("poll_interval_s"),
+        help="seconds between load / health polls of each worker",
+    )
+    parser.add_argument(
+        "--poll-timeout-s",
+        type=float,
+        default=_default("poll_timeout_s"),
+        help="a load poll slower than this many seconds fails",
+    )
+    parser.add_argument(
+        "--eject-after",
+        type=int,
+        default=_default("eject_after"),
+        help="consecutive failed polls that eject a worker (the next good poll re-admits it)",
+    )
+    parser.add_argument(
+        "--connect-timeout-s",
+        type=float,
+        default=_default("connect_timeout_s"),
+        help="seconds to connect to a worker",
+    )
+    parser.add_argument(
+        "--max-request-bytes",
+        type=int,
+        default=_default("max_request_bytes"),
+        help="larger request bodies get 413 before they are read (as deepinfer serve)",
+    )
+    parser.add_argument(
+        "--body-timeout-s",
+        type=float,
+        default=_default("body_timeout_s"),
+        help="seconds a request body may take to arrive (then 408)",
+    )
     parser.add_argument(
         "--startup-timeout-s",
         type=float,
@@ -67,11 +118,15 @@ def add_router_options(parser: argparse.ArgumentParser) -> None:
         help="wait this long for workers",
     )
     parser.add_argument(
-        "--log-level", default=_default("log_level"), choices=["debug", "info", "warning", "error"]
+        "--log-level",
+        default=_default("log_level"),
+        choices=["debug", "info", "warning", "error"],
+        help="log level of the router",
     )
 
 
 def add_router_arguments(parser: argparse.ArgumentParser) -> None:
+    """``deepinfer router``: its workers, registration and cluster secret, and the shared options."""
     for role in ("prefill", "decode", "both"):
         parser.add_argument(
             f"--{role}", nargs="+", default=[], metavar="URL", help=f"{role}-role worker URLs"
@@ -79,16 +134,48 @@ def add_router_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--accept-registrations",
         action="store_true",
-        help="start without workers; workers join with deepinfer serve --register-with URL",
+        help="let workers join with deepinfer serve --register-with URL (they prove themselves with the "
+        "cluster secret, which this needs)",
+    )
+    parser.add_argument(
+        "--cluster-secret-file",
+        metavar="PATH",
+        help="file holding the secret the router and its workers share: sent to workers on every request, "
+        "required from workers that register (default: DEEPINFER_CLUSTER_SECRET; unset: none)",
+    )
+    parser.add_argument(
+        "--deregister-after-s",
+        type=float,
+        default=_default("deregister_after_s"),
+        help="forget a registered worker that stays ejected this long (workers named here are only ejected)",
     )
     add_router_options(parser)
+
+
+def api_key(args: argparse.Namespace) -> str | None:
+    """The clients' API key: ``--api-key``, else ``DEEPINFER_API_KEY``, else ``None``; an empty one is
+    a ``ValueError`` naming where it came from."""
+    from deepinfer import envs
+
+    if args.api_key is not None:
+        if not args.api_key:
+            raise ValueError("--api-key is empty: give a key, or leave the option out to route without one")
+        return args.api_key
+    key = envs.get("DEEPINFER_API_KEY")
+    if key is not None and not key:
+        raise ValueError("DEEPINFER_API_KEY is set but empty: give a key, or unset it to route without one")
+    return key
 
 
 def router_config(args: argparse.Namespace, **overrides) -> RouterConfig:
     """The ``RouterConfig`` of parsed arguments; ``ValueError`` naming the option when invalid."""
     from pydantic import ValidationError
 
+    from deepinfer.web.auth import load_cluster_secret
+
     values = {
+        "api_key": api_key(args),
+        "deregister_after_s": getattr(args, "deregister_after_s", _default("deregister_after_s")),
         "prefill": tuple(getattr(args, "prefill", ()) or ()),
         "decode": tuple(getattr(args, "decode", ()) or ()),
         "both": tuple(getattr(args, "both", ()) or ()),
@@ -106,16 +193,24 @@ def router_config(args: argparse.Namespace, **overrides) -> RouterConfig:
         "kv_lease_s": args.kv_lease_s,
         "poll_interval_s": args.poll_interval_s,
         "poll_timeout_s": args.poll_timeout_s,
+        "eject_after": args.eject_after,
+        "connect_timeout_s": args.connect_timeout_s,
+        "max_request_bytes": args.max_request_bytes,
+        "body_timeout_s": args.body_timeout_s,
         "startup_timeout_s": args.startup_timeout_s,
         "log_level": args.log_level,
         **overrides,
     }
+    if "cluster_secret" not in overrides:
+        values["cluster_secret"] = load_cluster_secret(getattr(args, "cluster_secret_file", None))
     try:
         config = RouterConfig(**values)
     except ValidationError as exc:
         first = exc.errors()[0]
-        option = "--" + str(first["loc"][0]).replace("_", "-") if first["loc"] else "the configuration"
-        raise ValueError(f"{option}: {str(first['msg']).removeprefix('Value error, ')}") from None
+        message = str(first["msg"]).removeprefix("Value error, ")
+        if first["loc"]:  # a field's error; a check across fields names its options itself
+            message = "--" + str(first["loc"][0]).replace("_", "-") + ": " + message
+        raise ValueError(message) from None
     config.workers()  # a URL given twice
     if not (config.prefill or config.decode or config.both) and not config.accept_registrations:
         raise ValueError(
@@ -165,6 +260,7 @@ def run_router(args: argparse.Namespace) -> int:
 
 
 def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
+    """``deepinfer cluster``: how many workers of each role, their settings, and the shared options."""
     for role in ("prefill", "decode", "both"):
         parser.add_argument(
             f"--{role}", type=int, default=0, metavar="N", help=f"{role}-role workers to start"
@@ -222,9 +318,13 @@ def run_cluster(args: argparse.Namespace) -> int:
                 raise ValueError(f"--log-dir: cannot create {args.log_dir}: {exc.strerror}") from None
             if not os.access(args.log_dir, os.W_OK):
                 raise ValueError(f"--log-dir: {args.log_dir} is not writable")
+        from deepinfer.web.auth import new_cluster_secret
+
+        # the workers are started below; a secret of this run's own, for the router and them
         config = router_config(
             argparse.Namespace(**{**vars(args), "prefill": [], "decode": [], "both": []}),
             accept_registrations=True,
+            cluster_secret=new_cluster_secret(),
         )
     except ValueError as exc:
         print(f"deepinfer cluster: {exc}", file=sys.stderr)

@@ -9,6 +9,12 @@ router, then each worker: SIGTERM to its group, a bounded wait, SIGKILL, wait.
 The KV store path is checked (a writable directory, created if missing) and given to every worker
 as its shared KV tier (``--kv-shared-path``): prefill workers hand prompts' KV blocks to decode
 workers through it (``deepinfer.server.kv_transfer``).
+
+Credentials travel in the environment, never on a command line (which every local user can read):
+each worker gets the run's cluster secret (``DEEPINFER_CLUSTER_SECRET``, made per run by the command
+line), so only this router can give it handoff orders, release leases or read its load, and the
+router's API key (``DEEPINFER_API_KEY``, none if the router has none), so a client that reaches a
+worker directly needs the key too.
 """
 
 from __future__ import annotations
@@ -74,13 +80,25 @@ def check_store_path(path: str) -> Path:
 
 
 def start_worker(
-    role: str, model: str | None, serve_args: Sequence[str], log_dir: Path, threads: int | None, index: int
+    role: str,
+    model: str | None,
+    serve_args: Sequence[str],
+    log_dir: Path,
+    threads: int | None,
+    index: int,
+    environ: Mapping[str, str | None] | None = None,
 ) -> WorkerProcess:
-    """Start one ``deepinfer serve --role role`` on a free loopback port."""
+    """Start one ``deepinfer serve --role role`` on a free loopback port; ``environ``: variables to
+    set (``None``: to remove) in its environment, this process's otherwise."""
     port = free_port()
     cmd = [sys.executable, "-m", "deepinfer.cli", "serve", "--role", role, "--host", LOOPBACK, "--port", str(port),
            "--log-level", "warning", *(["--model", model] if model else []), *serve_args]  # fmt: skip
     env = dict(os.environ)
+    for name, value in (environ or {}).items():
+        if value is None:
+            env.pop(name, None)
+        else:
+            env[name] = value
     if threads:
         env["OMP_NUM_THREADS"] = str(threads)
     log = log_dir / f"{role}-{index}.log"
@@ -141,10 +159,12 @@ def workers_running(
     threads: int | None = None,
     log_dir: Path | None = None,
     startup_timeout_s: float = 300.0,
+    environ: Mapping[str, str | None] | None = None,
 ) -> Iterator[list[WorkerProcess]]:
     """Start ``counts[role]`` workers of each role, wait until all are healthy, yield them; stop them
     all on exit, however it is left. Their logs go to ``log_dir`` (created if missing, kept), or to a
-    temporary directory removed once the workers are stopped (errors raised here carry the log's tail)."""
+    temporary directory removed once the workers are stopped (errors raised here carry the log's tail).
+    ``environ``: as :func:`start_worker`'s."""
     own_dir = log_dir is None
     log_dir = Path(tempfile.mkdtemp(prefix="deepinfer-cluster-")) if log_dir is None else log_dir
     log_dir.mkdir(parents=True, exist_ok=True)
@@ -152,7 +172,7 @@ def workers_running(
     try:
         for role, n in counts.items():
             for i in range(n):
-                workers.append(start_worker(role, model, serve_args, log_dir, threads, i))
+                workers.append(start_worker(role, model, serve_args, log_dir, threads, i, environ))
         wait_healthy(workers, startup_timeout_s)
         yield workers
     finally:
@@ -221,10 +241,14 @@ def run_cluster(
 ) -> int:
     """Start the workers, then the router on ``router_config.port`` until Ctrl-C / SIGTERM
     (``serve_router(config)`` runs it: passed in by the command line, which owns the router's start).
-    Worker logs: ``log_dir`` (kept), else a temporary directory removed at exit."""
+    The workers get the router's cluster secret and API key in their environment. Worker logs:
+    ``log_dir`` (kept), else a temporary directory removed at exit."""
+    from deepinfer.web.auth import CLUSTER_SECRET_ENV
+
+    environ = {CLUSTER_SECRET_ENV: router_config.cluster_secret, "DEEPINFER_API_KEY": router_config.api_key}
     previous = signal.signal(signal.SIGTERM, _sigterm_as_interrupt)  # startup is interruptible too
     try:
-        with workers_running(counts, model, serve_args, threads, log_dir) as workers:
+        with workers_running(counts, model, serve_args, threads, log_dir, environ=environ) as workers:
             for w in workers:
                 print(
                     f"deepinfer cluster: {w.role} worker pid {w.process.pid} at {w.url} (log {w.log})",

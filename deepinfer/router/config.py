@@ -3,7 +3,8 @@
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from typing_extensions import Self
 
 from deepinfer.router.policies import PolicyName
 from deepinfer.server.config import ServerConfig
@@ -19,7 +20,25 @@ class RouterConfig(BaseModel):
     decode: tuple[str, ...] = Field((), description="decode-role worker URLs")
     both: tuple[str, ...] = Field((), description="aggregated (both-role) worker URLs")
     accept_registrations: bool = Field(
-        False, description="start with no workers and wait for workers to register (--register-with)"
+        False,
+        description="let workers join with deepinfer serve --register-with (they prove themselves with the "
+        "cluster secret, which this needs)",
+    )
+    api_key: str | None = Field(
+        None, min_length=1, repr=False, description="required from clients when set (as deepinfer serve)"
+    )
+    cluster_secret: str | None = Field(
+        None,
+        min_length=16,
+        repr=False,
+        description="the secret shared with the workers (deepinfer.web.auth): sent on every request to a "
+        "worker, required from workers that register or deregister",
+    )
+    deregister_after_s: float = Field(
+        10.0,
+        gt=0,
+        description="a worker that registered itself and stays ejected this long is forgotten (workers named "
+        "on the command line are only ejected)",
     )
     model: str | None = Field(None, description="model folder whose tokenizer counts prompt tokens")
     host: str = "127.0.0.1"
@@ -80,6 +99,15 @@ class RouterConfig(BaseModel):
             if not url.startswith(("http://", "https://")):
                 raise ValueError(f"{url!r} is not an http(s) URL")
         return tuple(u.rstrip("/") for u in urls)
+
+    @model_validator(mode="after")
+    def _registration_needs_the_secret(self) -> Self:
+        if self.accept_registrations and self.cluster_secret is None:
+            raise ValueError(
+                "--accept-registrations: registration needs the cluster secret the workers prove themselves "
+                "with: give --cluster-secret-file PATH or set DEEPINFER_CLUSTER_SECRET"
+            )
+        return self
 
     def workers(self) -> dict[str, str]:
         """URL -> the option that named it (for error messages)."""

@@ -104,8 +104,42 @@ def plain_server(tmp_path: Path, timeout_s: float = 180.0) -> Iterator[str]:
         assert worker.process.poll() is not None
 
 
+def pid_serving(url: str) -> int:
+    """The PID of the ``deepinfer`` process started with ``--port`` of ``url`` (found in /proc)."""
+    port = url.rsplit(":", 1)[1].encode()
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError):
+                argv = (entry / "cmdline").read_bytes().split(b"\0")
+                if b"deepinfer.cli" in argv and b"--port" in argv and argv[argv.index(b"--port") + 1] == port:
+                    return int(entry.name)
+    raise AssertionError(f"no deepinfer process serves {url}")
+
+
+def environment_of(pid: int) -> dict[str, str]:
+    """The environment process ``pid`` started with."""
+    entries = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    return {k.decode(): v.decode(errors="replace") for k, _, v in (e.partition(b"=") for e in entries) if k}
+
+
+def cluster_secret(c: Cluster) -> str:
+    """The cluster's secret, read from a worker's environment (``deepinfer cluster`` hands it to
+    every worker that way, never on the command line)."""
+    from deepinfer.web.auth import CLUSTER_SECRET_ENV
+
+    return environment_of(next(iter(c.workers.values()))["pid"])[CLUSTER_SECRET_ENV]
+
+
 def worker_load(url: str) -> dict:
-    return httpx.get(f"{url}/load", timeout=5).json()
+    """The load report of the worker at ``url``, asked as its router asks: with the cluster key
+    when the worker holds a cluster secret (read from its environment)."""
+    from deepinfer.web.auth import CLUSTER_KEY_HEADER, CLUSTER_SECRET_ENV
+
+    secret = environment_of(pid_serving(url)).get(CLUSTER_SECRET_ENV)
+    headers = {CLUSTER_KEY_HEADER: secret} if secret else None
+    response = httpx.get(f"{url}/load", headers=headers, timeout=5)
+    response.raise_for_status()
+    return response.json()
 
 
 def worker_metric(url: str, series: str) -> float:

@@ -98,3 +98,60 @@ def test_ejection_readmission_and_registration() -> None:
                 poller.cancel()
 
     run(scenario())
+
+
+def test_a_dead_registered_worker_is_forgotten_and_a_named_one_only_ejected() -> None:
+    """Issue 34, defect 1: a worker that registered itself and stays ejected for
+    ``deregister_after_s`` is forgotten (so ``/health`` is ok again); one named on the command line
+    stays, ejected. A worker may leave at once (``remove``), one named on the command line may not."""
+    workers = Workers()
+    workers.answers = {"a": load(), "r": load(Role.DECODE), "s": load()}
+
+    async def scenario() -> None:
+        async with httpx.AsyncClient(transport=httpx.MockTransport(workers.handler)) as client:
+            reg = Registry(client, RouterMetrics(), 0.01, 1.0, 2, "f", "--model test", deregister_after_s=0.2)
+            await reg.add_configured({"http://a": "--both"}, timeout_s=1)
+            await reg.add("http://r", "registration")
+            await reg.add("http://s", "registration")
+            assert reg.registered("http://r") and not reg.registered("http://a")
+            poller = asyncio.create_task(reg.poll_forever())
+            try:
+                workers.answers["a"] = workers.answers["r"] = httpx.ConnectError("refused")
+                waiting = reg.ejected("http://r")
+                await asyncio.wait_for(waiting.wait(), 2)
+                for _ in range(300):  # bounded: 3 s
+                    if "http://r" not in reg.status():
+                        break
+                    await asyncio.sleep(0.01)
+                assert set(reg.status()) == {"http://a", "http://s"}
+                assert "http://r" not in reg.book and reg.ejected("http://r").is_set()
+                assert not reg.admitted("http://a")  # ejected, never forgotten
+                await asyncio.sleep(0.3)
+                assert "http://a" in reg.status()
+                reg.remove("http://s", "it deregistered")
+                assert set(reg.status()) == {"http://a"} and "http://s" not in reg.book
+                with pytest.raises(ValueError, match="named on the command line"):
+                    reg.remove("http://a", "asked")
+                reg.remove("http://gone", "asked")  # idempotent
+            finally:
+                poller.cancel()
+
+    run(scenario())
+
+
+def test_a_worker_that_refuses_the_load_poll_names_the_cluster_secret() -> None:
+    """Issue 34, defect 2: a router without the workers' cluster secret fails at startup with a
+    line naming the options that give it, not a retry until the timeout."""
+
+    def refuse(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(401, json={"error": {"message": "needs the cluster key"}})
+
+    async def check() -> str:
+        async with httpx.AsyncClient(transport=httpx.MockTransport(refuse)) as client:
+            with pytest.raises(WorkerRejected) as info:
+                await registry(Workers(), client).add_configured({"http://k": "--decode"}, timeout_s=30)
+            return str(info.value)
+
+    message = run(check())
+    assert message.startswith("--decode http://k: the worker refused the router's load poll (401)")
+    assert "--cluster-secret-file PATH or DEEPINFER_CLUSTER_SECRET" in message

@@ -96,6 +96,16 @@ def test_usage_errors_and_operational_routes(cluster: Cluster) -> None:
     )
     assert bad.status_code == 400 and bad.json()["type"] == "error"
     assert [m.id for m in oa.models.list()] == [MODEL]
+    # issue 34, defect 6: relayed to a worker, errors in the API's shape (they were FastAPI's 404)
+    assert oa.models.retrieve(MODEL).id == MODEL
+    with pytest.raises(openai.NotFoundError):
+        oa.models.retrieve("other")
+    missing = httpx.get(f"{cluster.url}/v1/models/other", timeout=30)
+    assert missing.status_code == 404 and missing.json()["error"]["type"] == "not_found_error"
+    counted = an.messages.count_tokens(model=MODEL, messages=[{"role": "user", "content": SHORT}])
+    assert counted.input_tokens > 0
+    bad = httpx.post(f"{cluster.url}/v1/messages/count_tokens", json={"model": MODEL}, timeout=30)
+    assert bad.status_code == 400 and bad.json()["type"] == "error"
     body = {"model": MODEL, "prompt": SHORT, "max_tokens": 2, "stream": True}
     with httpx.stream("POST", f"{cluster.url}/v1/completions", json=body, timeout=60) as streamed:
         assert streamed.headers["x-deepinfer-worker"] in cluster.workers
@@ -142,49 +152,66 @@ def test_bad_configuration_is_one_line_naming_the_option(tmp_path: Path) -> None
         )
 
 
-def test_a_worker_registers_itself_and_takes_traffic(cluster: Cluster, tmp_path: Path) -> None:
+def test_a_worker_registers_with_a_router_that_accepts_it_and_deregisters_when_it_stops(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    """Issue 34, defect 1: ``deepinfer cluster`` (registration off) refuses a worker that registers,
+    asking nothing of its URL; a router with ``--accept-registrations`` and the cluster secret admits
+    it, and forgets it when it stops (it deregisters), so ``/health`` is ``ok`` again."""
     import os
     import subprocess
     import sys
 
-    from deepinfer.router.cluster import free_port
+    from deepinfer.router.cluster import cli_process, free_port
+    from deepinfer.web.auth import CLUSTER_KEY_HEADER, CLUSTER_SECRET_ENV
+    from tests.router.cluster import cluster_secret
+    from tests.router.test_trust import Listener
 
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    cmd = [sys.executable, "-m", "deepinfer.cli", "serve", "--role", "both", "--port", str(port), "--log-level",
-           "warning", "--kv-cache-memory-gib", "0.25", "--register-with", cluster.url]  # fmt: skip
-    with open(tmp_path / "worker.log", "wb") as log:
-        worker = subprocess.Popen(
-            cmd,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env={**os.environ, "OMP_NUM_THREADS": "1", "DEEPINFER_CPU_BACKEND": "reference"},
-        )
-    try:
-        cluster.wait_for(lambda: url in cluster.health()["workers"], 120, "registration")
-        assert cluster.health()["workers"][url] == {
-            "role": "both",
-            "admitted": True,
-            "source": "registration",
-        }
-        worker.terminate()
-        worker.wait(timeout=30)
-        cluster.wait_for(
-            lambda: not cluster.health()["workers"][url]["admitted"], 15, "ejection after it stopped"
-        )
-    finally:
-        if worker.poll() is None:
-            worker.kill()
-            worker.wait()
+    secret = cluster_secret(cluster)  # the cluster's own, as a worker of its holds it
+    with Listener() as rogue:
+        refused = httpx.post(f"{cluster.url}/router/register", json={"url": rogue.url},
+                             headers={CLUSTER_KEY_HEADER: secret}, timeout=30)  # fmt: skip
+        assert refused.status_code == 403 and "registration is off" in refused.text
+        assert rogue.connections == 0
+    env = {**os.environ, CLUSTER_SECRET_ENV: secret}
+    decode = cluster.workers_of("decode")[0]
+    args = ["router", "--decode", decode, "--accept-registrations", "--log-level", "warning"]
+    with cli_process(args, tmp_path / "router.log", "the router", 60, env) as router_url:
+        port = free_port()
+        url = f"http://127.0.0.1:{port}"
+        cmd = [sys.executable, "-m", "deepinfer.cli", "serve", "--role", "both", "--port", str(port), "--log-level",
+               "warning", "--kv-cache-memory-gib", "0.25", "--register-with", router_url]  # fmt: skip
+        with open(tmp_path / "worker.log", "wb") as log:
+            worker = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+                                      env={**env, "OMP_NUM_THREADS": "1", "DEEPINFER_CPU_BACKEND": "reference"})  # fmt: skip
+        routed = Cluster(router_url, tmp_path / "router.log")
+        try:
+            routed.wait_for(lambda: url in routed.health()["workers"], 120, "registration")
+            assert routed.health()["workers"][url] == {
+                "role": "both",
+                "admitted": True,
+                "source": "registration",
+            }
+            worker.terminate()
+            worker.wait(timeout=60)
+            assert url not in routed.health()["workers"]  # it deregistered before it exited
+            assert routed.health()["status"] == "ok"
+        finally:
+            if worker.poll() is None:
+                worker.kill()
+                worker.wait()
 
 
 def test_a_router_for_another_model_refuses_the_workers(cluster: Cluster, tmp_path: Path) -> None:
     import json
+    import os
     import shutil
     import subprocess
     import sys
 
     from deepinfer.model_zoo import default_model_path
+    from deepinfer.web.auth import CLUSTER_SECRET_ENV
+    from tests.router.cluster import cluster_secret
 
     other = tmp_path / "other-model"
     shutil.copytree(
@@ -194,7 +221,8 @@ def test_a_router_for_another_model_refuses_the_workers(cluster: Cluster, tmp_pa
     (other / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 2}))
     decode = cluster.workers_of("decode")[0]
     cmd = [sys.executable, "-m", "deepinfer.cli", "router", "--decode", decode, "--model", str(other)]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    env = {**os.environ, CLUSTER_SECRET_ENV: cluster_secret(cluster)}  # the cluster's: the poll is answered
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=60, env=env)
     assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1, done.stderr
     assert (
         f"--decode {decode}: the worker serves another model or tokenizer than the router's --model"
@@ -205,15 +233,19 @@ def test_a_router_for_another_model_refuses_the_workers(cluster: Cluster, tmp_pa
 def test_a_full_prefill_queue_answers_429_and_the_rest_complete(cluster: Cluster, tmp_path: Path) -> None:
     """Late binding: with a horizon no busy worker is under, a second long prompt waits in the router
     while the first is computed, and those beyond the queue's limit get 429 with Retry-After."""
+    import os
     import random
     from concurrent.futures import ThreadPoolExecutor
 
     from deepinfer.router.cluster import cli_process
+    from deepinfer.web.auth import CLUSTER_SECRET_ENV
+    from tests.router.cluster import cluster_secret
 
     both, decode = cluster.workers_of("both")[0], cluster.workers_of("decode")[0]
     args = ["router", "--both", both, "--decode", decode, "--prefill-queue-limit", "1", "--prefill-horizon-s",
             "1e-6", "--min-disaggregated-tokens", "0", "--log-level", "warning"]  # fmt: skip
-    with cli_process(args, tmp_path / "router.log", "the router", 60) as url:
+    env = {**os.environ, CLUSTER_SECRET_ENV: cluster_secret(cluster)}
+    with cli_process(args, tmp_path / "router.log", "the router", 60, env) as url:
         rng = random.Random(0)
 
         def post(_: int) -> httpx.Response:
