@@ -40,7 +40,9 @@ def run_cache_stage(
     samples: int = 48,
 ) -> CacheStage:
     """Replay ``horizon_s`` of ``spec`` (``share`` of its sessions) through ``store``; each request
-    looks up its prompt, then writes its KV through (as it would on finishing)."""
+    looks up its prompt, then writes its KV through (as it would on finishing). The trace starts in
+    the sessions' steady state (``arrivals(..., steady_state=True)``): the turns before 0 of the
+    sessions then in progress only fill the store, so later turns come back from the first hour."""
     hours = math.ceil(horizon_s / 3600)
     prompt = [0] * hours
     hit = [0] * hours
@@ -48,8 +50,11 @@ def run_cache_stage(
     occupancy = []
     outputs = []
     next_sample = 0.0
-    for arrival in arrivals(spec, horizon_s, seed, share):
+    for arrival in arrivals(spec, horizon_s, seed, share, steady_state=True):
         found = store.lookup(arrival, 0, arrival.time)
+        if arrival.time < 0:  # the last turn of a session in progress at the start: cached, not counted
+            store.write(arrival, arrival.time)
+            continue
         h = int(arrival.time // 3600)
         prompt[h] += arrival.prompt_tokens
         hit[h] += sum(found.tokens.values())

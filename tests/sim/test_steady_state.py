@@ -4,11 +4,16 @@ defect 20: the planner's peak-hour window held only first turns, a fraction of t
 
 from __future__ import annotations
 
+import math
 import statistics
 
 import pytest
 
+from deepinfer.sim.cachesim import run_cache_stage
+from deepinfer.sim.policies import TierRetention, retention_policy
+from deepinfer.sim.tiers import Tier, TieredStore
 from deepinfer.sim.workload import LengthDist, WorkloadSpec, arrivals
+from tests.sim.test_cache_stage import KV, revisiting
 from tests.sim.test_planner import small
 
 
@@ -54,3 +59,12 @@ def test_single_turn_classes_are_unchanged() -> None:
     workload = spec(1.0, LengthDist(kind="fixed", mean=60))
     steady = list(arrivals(workload, 60, seed=2, steady_state=True))
     assert steady == list(arrivals(workload, 60, seed=2))
+
+
+def test_the_cache_stage_counts_a_days_requests_from_the_first_hour() -> None:
+    """Sessions 2 h apart over an 8-hour horizon: the day's requests are the class's rate x 86,400
+    (from a cold start, the later turns of the first hours were missing: about half as many)."""
+    spec = revisiting(7 * 86400)  # 0.25 requests/s, 6 turns a session, 2 h gaps
+    store = TieredStore([Tier("store", TierRetention(retention_policy(spec.ttls), math.inf), 50e9)], KV)
+    stage = run_cache_stage(spec, store, 8 * 3600, seed=3)
+    assert stage.input_tokens_per_day / stage.mean_prompt_tokens == pytest.approx(0.25 * 86400, rel=0.15)
