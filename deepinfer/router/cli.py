@@ -128,9 +128,7 @@ def add_router_options(parser: argparse.ArgumentParser) -> None:
 def add_router_arguments(parser: argparse.ArgumentParser) -> None:
     """``deepinfer router``: its workers, registration and cluster secret, and the shared options."""
     for role in ("prefill", "decode", "both"):
-        parser.add_argument(
-            f"--{role}", nargs="+", default=[], metavar="URL", help=f"{role}-role worker URLs"
-        )
+        parser.add_argument(f"--{role}", nargs="+", metavar="URL", help=f"{role}-role worker URLs")
     parser.add_argument(
         "--accept-registrations",
         action="store_true",
