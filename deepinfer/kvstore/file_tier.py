@@ -11,7 +11,8 @@ expiry, atime = last use (set explicitly; both are updated in place without rewr
 Crash safety: a record is written to a temporary file (``O_EXCL``, unique name per writer), fsynced,
 then hard-linked to its final name (``link`` never replaces: the first writer wins, a loser just
 drops its temporary file), and each directory fsynced once per batch (network and FUSE filesystems
-define durability per file), so a name never points at bytes that are not on disk. A reader
+define durability per file; a key sub-directory this process first uses is made durable by an fsync of
+the namespace folder too), so a name never points at bytes that are not on disk. A reader
 therefore sees no file or a complete one; what a crash leaves is a temporary file, never served and
 collected after ``STALE_TMP_S``. Every read verifies the record (``record.decode``); a bad one is a
 miss that is counted, logged once per tier and reason, and removed. The index is rebuilt from the
@@ -67,6 +68,7 @@ class FileTier:
         self.used = 0
         self._logged: set[str] = set()
         self._subdirs: set[str] = set()  # key sub-directories known to exist
+        self._new_subdir = False  # a sub-directory first used since the namespace folder's last fsync
         self.lock = threading.RLock()
         self.held: set[bytes] = set()  # keys under a store hold: never evicted
         self.leases = LeaseTable(root) if shared else None  # handoff leases: never evicted either
@@ -214,8 +216,12 @@ class FileTier:
                         self.index[key] = Entry(key, size, now, expiry)
                         self.used += size
                 self._gauges()
+            if dirs and self._new_subdir:
+                dirs.add(str(self.dir))
             for d in dirs:
                 fsync_dir(d)
+            if str(self.dir) in dirs:
+                self._new_subdir = False
         finally:
             for _, tmp, _, _, _ in staged:  # an error before linking: no temporary file is left
                 _unlink(tmp)
@@ -227,6 +233,7 @@ class FileTier:
         if sub not in self._subdirs:
             os.makedirs(sub, exist_ok=True)
             self._subdirs.add(sub)
+            self._new_subdir = True  # its entry in the namespace folder is durable once that is synced
         return os.path.join(sub, h + SUFFIX)
 
     def close(self) -> None:
