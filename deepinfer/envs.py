@@ -135,8 +135,9 @@ ENV_VARS: dict[str, EnvVar] = {
             "DEEPINFER_API_KEY",
             None,
             str.strip,
-            "`deepinfer serve`: the API key clients must send (Authorization: Bearer, or x-api-key) when "
-            "--api-key is not given; unset means no key is needed.",
+            "`deepinfer serve`, `router`, `cluster`: the API key clients must send (Authorization: Bearer, or "
+            "x-api-key) when --api-key is not given; unset means no key is needed. `deepinfer cluster` hands "
+            "its key to its workers this way.",
         ),
         EnvVar(
             "DEEPINFER_DETERMINISTIC",
