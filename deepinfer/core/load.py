@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     from deepinfer.engine.llm_engine import LLMEngine
     from deepinfer.engine.request import Request
 
-LOAD_PATH = "/load"  # operational, like /health and /metrics: no API key
+LOAD_PATH = "/load"  # for routers: the cluster key opens it (deepinfer.server.middleware)
 
 
 class PrefillWork(msgspec.Struct, frozen=True):
