@@ -72,7 +72,7 @@ class FileTier:
         self.lock = threading.RLock()
         self.held: set[bytes] = set()  # keys under a store hold: never evicted
         self.leases = LeaseTable(root) if shared else None  # handoff leases: never evicted either
-        self.dir.mkdir(parents=True, exist_ok=True)
+        make_dirs(self.dir)
         info = self.dir / "NAMESPACE.json"
         if not info.is_file():
             write_atomic(info, json.dumps(namespace_info, indent=1, sort_keys=True).encode())
@@ -344,10 +344,17 @@ def _link_once(tmp: str, path: str) -> bool:
 def write_atomic(path: Path, data: bytes) -> None:
     """Create ``path`` holding ``data`` unless it exists (first writer wins), durably."""
     tmp = path.parent / f".tmp.{path.name}.{os.getpid()}.{secrets.token_hex(4)}"
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+        os.fsync(fd)
+    except BaseException:
+        os.close(fd)
+        _unlink(tmp)
+        raise
+    os.close(fd)
     try:
         os.link(tmp, path)
     except FileExistsError:
@@ -355,6 +362,20 @@ def write_atomic(path: Path, data: bytes) -> None:
     finally:
         _unlink(tmp)
     fsync_dir(path.parent)
+
+
+def make_dirs(path: str | Path) -> None:
+    """Create the folder ``path`` and its missing parents durably: each parent that gained an entry
+    is fsynced (else a crash could take a folder, and the records in it, away)."""
+    missing = []
+    folder = Path(path)
+    while not os.path.isdir(folder):
+        missing.append(folder)
+        folder = folder.parent
+    for folder in reversed(missing):
+        with contextlib.suppress(FileExistsError):  # another process made it: sync the entry anyway
+            os.mkdir(folder)
+        fsync_dir(folder.parent)
 
 
 def _unlink(path: str | Path) -> None:

@@ -47,7 +47,7 @@ from pathlib import Path
 import xxhash
 
 from deepinfer.kvstore import record
-from deepinfer.kvstore.file_tier import STALE_TMP_S, fsync_dir, namespace_dir, write_atomic
+from deepinfer.kvstore.file_tier import STALE_TMP_S, fsync_dir, make_dirs, namespace_dir, write_atomic
 from deepinfer.kvstore.file_tier import SUFFIX as BLOCK_SUFFIX
 from deepinfer.kvstore.metrics import TierCounters
 from deepinfer.kvstore.retention import Entry, RetentionPolicy, plan_eviction
@@ -229,7 +229,7 @@ class PackTier:
         self.used = 0
         self._touched: dict[bytes, Entry] = {}  # touches not yet written to a pack
         self._logged: set[str] = set()
-        self.packs_dir.mkdir(parents=True, exist_ok=True)
+        make_dirs(self.packs_dir)
         info = self.dir / "NAMESPACE.json"
         if not info.is_file():
             write_atomic(info, json.dumps(namespace_info, indent=1, sort_keys=True).encode())

@@ -71,13 +71,14 @@ def workload(tier: PackTier | FileTier, rec: Recorder) -> None:
 
 
 def record(tmp_path: Path, opener: Callable[[Path], PackTier | FileTier]) -> Recorder:
-    """Run ``workload`` on a fresh tier under ``tmp_path / 'store'`` with the tiers' ``os`` recorded."""
+    """Create a tier in the empty folder ``tmp_path / 'store'`` and run ``workload`` on it, with
+    the tiers' ``os`` recorded from the start (the folder itself is taken as durable)."""
     root = tmp_path / "store"
-    tier = opener(root)
+    root.mkdir()
     rec = Recorder(root)
     with pytest.MonkeyPatch.context() as mp:
         rec.install(mp, pack_tier, file_tier)
-        workload(tier, rec)
+        workload(opener(root), rec)
     return rec
 
 
@@ -152,3 +153,12 @@ def test_the_checker_finds_a_shared_block_linked_before_its_fsync(tmp_path: Path
     problems = crash_problems(rec, open_shared, tmp_path / "scratch")
     assert any(p.startswith("ordered") and "lost" in p for p in problems)
     assert not any("wrong bytes" in p for p in problems)
+
+
+def test_the_checker_finds_store_folders_created_without_a_sync(tmp_path: Path, monkeypatch) -> None:
+    """The tier's folders (kv1/<namespace>/packs) made as before, by a plain makedirs: a crash can take
+    them, and every pack in them, away."""
+    monkeypatch.setattr(pack_tier, "make_dirs", lambda path: pack_tier.os.makedirs(path, exist_ok=True))
+    rec = record(tmp_path, open_disk)
+    problems = crash_problems(rec, open_disk, tmp_path / "scratch")
+    assert any(p.startswith("lost") and "committed block 0 lost" in p for p in problems)
