@@ -4,7 +4,9 @@ Works on any disk tier (``PATH/kv1/<namespace>/packs/*.kvp``, ``pack_tier``) or 
 (``PATH/kv1/<namespace>/<xx>/<key>.kvb``, ``file_tier``) directory without an engine, while engines
 use it: it only reads, and removes files that are expired, bad or stale temporaries (removing is
 safe under readers: a reader that loses the race sees a miss; a pack goes whole, once none of its
-blocks is live). Results are plain dicts, one per namespace folder, printed as JSON by the CLI.
+blocks is live). Results are plain dicts, one per namespace folder (``folder``: its path under
+``PATH``; a data-parallel store has one per rank, ``rank-N/kv1/<namespace>``, each rank's own disk
+tier; ``gc --capacity-gib`` applies to each), printed as JSON by the CLI.
 """
 
 from __future__ import annotations
@@ -21,10 +23,17 @@ from deepinfer.kvstore.retention import Entry, plan_eviction
 
 
 def namespaces(root: Path) -> list[Path]:
-    base = Path(root) / "kv1"
-    if not base.is_dir():
-        raise ValueError(f"{root} holds no deepinfer KV store (no kv1/ folder)")
-    return sorted(p for p in base.iterdir() if p.is_dir())
+    """The namespace folders of the store at ``root``: ``kv1/*``, and ``rank-N/kv1/*`` of the
+    data-parallel ranks' disk tiers (each rank owns a subfolder)."""
+    root = Path(root)
+    ranks = sorted((p for p in root.glob("rank-*") if p.name[5:].isdigit()), key=lambda p: int(p.name[5:]))
+    bases = [root / "kv1", *(p / "kv1" for p in ranks)]
+    bases = [b for b in bases if b.is_dir()]
+    if not bases:
+        raise ValueError(
+            f"{root} holds no deepinfer KV store (no kv1/ folder, nor data-parallel ranks' rank-N/kv1/)"
+        )
+    return [p for base in bases for p in sorted(base.iterdir()) if p.is_dir()]
 
 
 def _files(ns_dir: Path) -> Iterator[os.DirEntry]:
@@ -56,7 +65,14 @@ def stats(root: Path, verify: bool = False, now: float | None = None) -> list[di
     now = time.time() if now is None else now
     out = []
     for ns_dir in namespaces(root):
-        info = {"namespace": ns_dir.name, "entries": 0, "bytes": 0, "expired": 0, "temporary": 0}
+        info = {
+            "namespace": ns_dir.name,
+            "folder": str(ns_dir.relative_to(root)),
+            "entries": 0,
+            "bytes": 0,
+            "expired": 0,
+            "temporary": 0,
+        }
         by_class: dict[str, dict[str, int]] = {}
         bad: dict[str, int] = {}
         for entry in _files(ns_dir):
@@ -206,7 +222,14 @@ def gc(root: Path, capacity_bytes: int | None = None, now: float | None = None) 
     now = time.time() if now is None else now
     out = []
     for ns_dir in namespaces(root):
-        done = {"namespace": ns_dir.name, "expired": 0, "bad": 0, "temporary": 0, "evicted": 0}
+        done = {
+            "namespace": ns_dir.name,
+            "folder": str(ns_dir.relative_to(root)),
+            "expired": 0,
+            "bad": 0,
+            "temporary": 0,
+            "evicted": 0,
+        }
         live: list[tuple[Entry, str]] = []
         for entry in _files(ns_dir):
             st = entry.stat()

@@ -130,3 +130,29 @@ def test_stats_verify_and_gc(tmp_path: Path, capsys: pytest.CaptureFixture[str])
     assert rc == 0 and after["entries"] == 4 and after["bad"] == {}
     with pytest.raises(SystemExit, match="holds no deepinfer KV store"):
         run("stats", str(tmp_path / "nothing"))
+
+
+def test_stats_and_gc_of_a_data_parallel_store_read_every_rank_folder(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    ns = StoreNamespace("w", "t", "layout", 16, "float32", (0,), "full")
+    policy = RetentionPolicy(dict(DEFAULT_TTLS), "chat")
+    for rank in range(2):  # what data-parallel ranks leave: PATH/rank-N is each rank's disk tier
+        tier = PackTier(
+            "disk",
+            tmp_path / f"rank-{rank}",
+            ns.digest(),
+            ns.describe(),
+            1 << 30,
+            policy,
+            TierCounters(),
+            time.time,
+        )
+        keys = [store_key(ns.digest(), bytes([rank, i]) * 8) for i in range(rank + 2)]
+        tier.write_batch([(k, bytes([i]) * 1000, "chat") for i, k in enumerate(keys)], time.time())
+    rc, stats = run_cli(capsys, "stats", str(tmp_path))
+    folder = f"kv1/{ns.digest().hex()[:32]}"
+    assert rc == 0 and [s["folder"] for s in stats] == [f"rank-0/{folder}", f"rank-1/{folder}"]
+    assert [s["entries"] for s in stats] == [2, 3]
+    rc, evicted = run_cli(capsys, "gc", str(tmp_path), "--capacity-gib", "0.000001")
+    assert [e["evicted"] for e in evicted] == [2, 3] and not list(tmp_path.rglob("*.kvp"))
