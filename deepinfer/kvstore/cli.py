@@ -32,7 +32,11 @@ OPTIONS = {  # KVStoreConfig field -> command-line option
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("KV store (off unless one of these is given)")
     g.add_argument("--kv-host-cache-gib", type=float, help="host-memory tier size (default 1)")
-    g.add_argument("--kv-store-path", help="disk tier directory (local SSD)")
+    g.add_argument(
+        "--kv-store-path",
+        help="disk tier directory (local SSD), owned by one server (a lock file in it); "
+        "data-parallel ranks use PATH/rank-N",
+    )
     g.add_argument("--kv-store-capacity-gib", type=float, help="disk tier capacity (default 16)")
     g.add_argument("--kv-shared-path", help="shared tier directory (a 3FS/NFS/CephFS/JuiceFS mount)")
     g.add_argument("--kv-shared-capacity-gib", type=float, help="shared tier capacity (default 64)")

@@ -21,7 +21,11 @@ class KVStoreConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     host_cache_gib: float = Field(1.0, gt=0, description="host-memory tier size (pinned on devices)")
-    path: str | None = Field(None, description="disk tier: a directory on local SSD")
+    path: str | None = Field(
+        None,
+        description="disk tier: a directory on local SSD, owned by one store at a time (owner.lock); "
+        "data-parallel ranks each use PATH/rank-N",
+    )
     capacity_gib: float = Field(16.0, gt=0, description="disk tier capacity")
     shared_path: str | None = Field(
         None, description="shared tier: a directory on a shared filesystem mount (3FS, NFS, CephFS, ...)"
