@@ -44,7 +44,7 @@ def run(model: Path, ids: list[int], store: KVStoreConfig | None):
     llm.engine.runner.execute = counting
     out = llm.generate([ids], SP)[0]
     if llm.engine.kv_connector is not None:
-        llm.engine.kv_connector.store.flush(10)
+        llm.engine.kv_connector.close()  # written, and the directory released for the next engine
     return out, computed[0] if len(computed) == 1 else sum(computed[: -(SP.max_tokens - 1)])
 
 
