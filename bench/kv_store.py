@@ -327,7 +327,9 @@ def bench_swa_drift(root: Path) -> dict:
     for mode, tokens in (("exact", 128), ("bounded", 128), ("bounded", 64), ("bounded", 32)):
         store = KVStoreConfig(path=str(root / f"swa-{mode}-{tokens}"), host_cache_gib=0.05, swa_replay=mode,
                               swa_replay_tokens=tokens)  # fmt: skip
-        LLM(model=str(folder), kv_store=store).generate(prompt_token_ids=[prompt], sampling_params=sp)
+        first = LLM(model=str(folder), kv_store=store)
+        first.generate(prompt_token_ids=[prompt], sampling_params=sp)
+        first.engine.kv_connector.close()  # one owner per disk tier directory: the next engine takes it
         hit = rows(
             LLM(model=str(folder), kv_store=store).generate(prompt_token_ids=[prompt], sampling_params=sp)[0]
         )
