@@ -15,7 +15,8 @@ entries and the footer before it). A block's retention state is the newest of it
 its touch entries (expiry never shortens, so the newest dominates).
 
 Crash safety: a pack is written to a temporary file (``O_EXCL``, unique name), fsynced, renamed to
-its unique final name, and the directory fsynced, so a pack under a final name is whole and durable;
+its unique final name, and the directory fsynced (the folders themselves were created durably,
+``file_tier.make_dirs``), so a pack under a final name is whole and durable;
 a crash leaves a temporary file, never served and collected after ``STALE_TMP_S``. The index is
 rebuilt at start from the trailers alone (no payload is read): a pack with a bad trailer (truncated,
 empty, another namespace, flipped bits) is counted, logged once and removed. Every read verifies its

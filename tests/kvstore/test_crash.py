@@ -1,5 +1,8 @@
 """Crash safety and integrity of the file tiers: SIGKILLed writers, flipped bits, truncated, empty
-and foreign files. Every read is a miss or exactly the bytes written; bad files are counted."""
+and foreign files. Every read is a miss or exactly the bytes written; bad files are counted.
+
+A SIGKILL keeps the page cache, so these kills cannot see a missing or misordered fsync; the crash
+points with the page cache lost are ``test_fsync_order.py``'s."""
 
 from __future__ import annotations
 
