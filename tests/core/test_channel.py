@@ -28,6 +28,25 @@ from deepinfer.sampling_params import SamplingParams
 OPTIONS = {"num_kv_blocks": 64, "max_model_len": 256}
 
 
+def run_bounded(scenario, timeout_s: float) -> None:
+    """``asyncio.run(scenario())`` in a thread, failing the test if it has not ended (cleanup
+    included: a core left running would hold ``asyncio.run``'s executor) within ``timeout_s``."""
+    errors: list[BaseException] = []
+
+    def main() -> None:
+        try:
+            asyncio.run(asyncio.wait_for(scenario(), timeout_s))
+        except BaseException as exc:  # re-raised in the test's thread
+            errors.append(exc)
+
+    thread = threading.Thread(target=main, name="channel-scenario", daemon=True)
+    thread.start()
+    thread.join(timeout_s + 30)
+    assert not thread.is_alive(), f"the scenario hung past {timeout_s + 30:g} s"
+    if errors:
+        raise errors[0]
+
+
 def unix_sockets(pid: int) -> list[str]:
     """The paths (abstract ones start with ``@``) of the Unix sockets process ``pid`` holds."""
     inodes = set()
@@ -72,7 +91,7 @@ def test_the_channel_is_a_private_socket_file_removed_once_the_core_connected(ti
         finally:
             await client.stop()
 
-    asyncio.run(asyncio.wait_for(scenario(), 60))
+    run_bounded(scenario, 60)
     assert seen["is_socket"] and seen["folder_mode"] == 0o700
     assert not seen["path"].exists() and not seen["path"].parent.exists()  # gone once connected
     # the old channel was an abstract socket, ipc://@deepinfer-<pid>-<uuid>, listed in /proc/net/unix
@@ -141,7 +160,7 @@ def test_forged_and_malformed_frames_are_dropped_and_the_reader_carries_on(tiny_
             await client.stop()
 
     try:
-        asyncio.run(asyncio.wait_for(scenario(), 120))
+        run_bounded(scenario, 120)
     finally:
         for rogue in rogues:
             rogue.close(0)
@@ -245,7 +264,7 @@ def test_a_flood_past_a_tiny_high_water_mark_loses_nothing_and_keeps_order() -> 
         finally:
             await client.stop(timeout_s=10)
 
-    asyncio.run(asyncio.wait_for(scenario(), 120))
+    run_bounded(scenario, 120)
     received = cores[0].received
     adds = [c.request_id for c in received if isinstance(c, m.AddRequest)]
     aborts = [c.request_ids for c in received if isinstance(c, m.AbortRequests)]
@@ -284,7 +303,7 @@ def test_a_request_the_channel_cannot_take_in_time_fails_with_a_clear_error() ->
             cores[0].stopped.set()
             await client.stop(timeout_s=10)
 
-    asyncio.run(asyncio.wait_for(scenario(), 60))
+    run_bounded(scenario, 60)
     assert result["queued"] > 0
     assert result["after"] < 5, result
     assert "did not take the request within 0.5 s" in result["error"]
