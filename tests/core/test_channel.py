@@ -309,3 +309,27 @@ def test_a_request_the_channel_cannot_take_in_time_fails_with_a_clear_error() ->
     assert "did not take the request within 0.5 s" in result["error"]
     # those that were in the channel wait for the core (a few more may have squeezed in meanwhile)
     assert FLOOD - result["queued"] <= result["in_flight"] < FLOOD and result["left"] == 0
+
+
+def test_a_real_core_flooded_through_a_tiny_high_water_mark_answers_every_request(tiny_model: Path) -> None:
+    engine = LLMEngine(EngineConfig(model=str(tiny_model), detokenize=False, max_num_seqs=64, **OPTIONS))
+    result: dict[str, object] = {}
+
+    async def scenario() -> None:
+        client = EngineClient(lambda i, a: CoreThread(engine, i, a), None, 400, send_hwm=1)
+        await client.start()
+        try:
+            params = SamplingParams(max_tokens=2, ignore_eos=True)
+            streams = [client.submit(PROMPT[: 5 + i % 20], params) for i in range(400)]
+            result["queued"] = len(client._cores[0].outbox)
+            lengths = []
+            for stream in streams:
+                with stream:
+                    lengths.append(len([out async for out in stream][-1].outputs[0].token_ids))
+            result["lengths"] = lengths
+        finally:
+            await client.stop()
+
+    run_bounded(scenario, 120)
+    assert result["queued"] > 0
+    assert result["lengths"] == [2] * 400
