@@ -36,6 +36,7 @@ import errno
 import itertools
 import os
 import shutil
+import sys
 import tempfile
 import time
 from collections import deque
@@ -62,7 +63,8 @@ READ_WAKE_MS = 100
 SEND_TIMEOUT_S = 30.0  # an AddRequest the core's channel has no room for fails after this long
 SEND_RETRY_S = (0.001, 0.05)  # a full outbox retries after 1 ms, backing off to 50 ms
 DROP_LOG_LIMIT = 20  # dropped frames logged one by one; later ones only counted
-MAX_IPC_PATH = 100  # bytes; a Unix socket's path must fit in sun_path (108 on Linux, 104 on macOS)
+# bytes: a Unix socket's path and its NUL must fit in sun_path (108 bytes on Linux, 104 elsewhere)
+MAX_IPC_PATH = 107 if sys.platform.startswith("linux") else 103
 
 
 class QueueFull(Exception):

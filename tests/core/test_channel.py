@@ -20,7 +20,7 @@ import zmq
 
 from deepinfer.config import EngineConfig
 from deepinfer.core import messages as m
-from deepinfer.core.client import EngineClient, EngineDead
+from deepinfer.core.client import CoreStartupError, EngineClient, EngineDead
 from deepinfer.core.launch import CoreHandle, CoreThread
 from deepinfer.engine.llm_engine import LLMEngine
 from deepinfer.sampling_params import SamplingParams
@@ -333,3 +333,23 @@ def test_a_real_core_flooded_through_a_tiny_high_water_mark_answers_every_reques
     run_bounded(scenario, 120)
     assert result["queued"] > 0
     assert result["lengths"] == [2] * 400
+
+
+def test_a_temporary_folder_too_long_for_a_socket_path_is_a_clear_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import tempfile
+
+    long_dir = tmp_path / ("x" * 120)
+    long_dir.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(long_dir))
+
+    def launcher(engine_id: int, address: str) -> CoreHandle:
+        raise AssertionError("no core may start without a channel")
+
+    async def scenario() -> None:
+        with pytest.raises(CoreStartupError, match=r"too long a path.*set TMPDIR to a shorter one"):
+            await EngineClient(launcher, None, 1).start()
+
+    run_bounded(scenario, 30)
+    assert list(long_dir.iterdir()) == []
