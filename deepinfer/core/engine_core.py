@@ -74,6 +74,7 @@ class EngineCore:
                 sock.send(m.encode(m.CoreFailed(self.engine_id, f"{type(exc).__name__}: {exc}", False)))
             raise
         finally:
+            self.engine.close()  # the KV store's last writes reach their files before the core exits
             sock.close()
             context.term()
             if self._step_log is not None:

@@ -294,8 +294,9 @@ class StoreConnector:
     def stats(self) -> dict:
         return self.store.snapshot()
 
-    def close(self) -> None:
-        self.store.close()
+    def close(self, timeout_s: float = 30.0) -> bool:
+        """Write the store's queued blocks (within ``timeout_s``) and close it; False if some were not."""
+        return self.store.close(timeout_s)
 
 
 def _runs(slots: list[int]) -> list[tuple[int, int, int]]:

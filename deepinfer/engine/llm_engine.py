@@ -255,6 +255,12 @@ class LLMEngine:
         """The KV store's counters as plain data (``deepinfer.kvstore.metrics``); None when it is off."""
         return self.kv_connector.stats() if self.kv_connector is not None else None
 
+    def close(self, timeout_s: float = 30.0) -> None:
+        """Flush and close the KV store, if any (its queued writes reach their files within
+        ``timeout_s``; what cannot is logged). Idempotent; the engine must not step afterwards."""
+        if self.kv_connector is not None:
+            self.kv_connector.close(timeout_s)
+
     def _speculation(self) -> tuple[int, tuple[ConfidenceHead, float] | None]:
         """Drafts per request per step (0: speculative decoding off) and, for mtp-confidence, the
         confidence head (on the device) and its threshold."""

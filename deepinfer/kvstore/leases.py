@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import re
 import secrets
@@ -112,7 +113,13 @@ class LeaseTable:
 def _read(path: Path) -> Lease | None:
     try:
         data = json.loads(path.read_bytes())
-        return Lease(data["handoff_id"], tuple(data["keys"]), float(data["expires_unix"]), data["owner"])
+        keys = tuple(data["keys"])
+        for key in keys:
+            bytes.fromhex(key)  # a key that is not hex text makes the file foreign
+        expires = float(data["expires_unix"])
+        if not math.isfinite(expires):
+            return None
+        return Lease(data["handoff_id"], keys, expires, data["owner"])
     except FileNotFoundError:
         return None
     except (ValueError, KeyError, TypeError):  # written whole, so only a foreign file: it holds nothing

@@ -2,9 +2,9 @@
 
 Updated by the tiers and the store under the store's lock; ``snapshot`` returns a JSON-ready dict:
 ``{"tiers": {tier: {hits, bytes_read, bytes_written, writes, evictions, expirations, corrupt_reads,
-entries, bytes}}, "lookups", "lookup_blocks", "hit_blocks", "misses", "load_latency": {"buckets":
+entries, bytes, read_errors, write_errors}}, "lookups", "lookup_blocks", "hit_blocks", "misses", "load_latency": {"buckets":
 [upper bounds in s], "counts": [per bucket, cumulative], "sum", "count"}, "saves_refused", "writes_dropped",
-"hits_by_class": {class: blocks}}``. Tiers: ``host``, ``disk``, ``shared``.
+"load_errors", "writer_errors", "writer_alive", "hits_by_class": {class: blocks}}``. Tiers: ``host``, ``disk``, ``shared``.
 """
 
 from __future__ import annotations
@@ -24,6 +24,8 @@ class TierCounters:
     evictions: int = 0
     expirations: int = 0
     corrupt_reads: int = 0  # records found bad (and removed)
+    read_errors: int = 0  # reads that failed with an I/O error (EIO, EACCES, ESTALE, ...): counted misses
+    write_errors: int = 0  # batches this tier failed to write (ENOSPC, EIO, ...): kept in host memory
     entries: int = 0  # gauges, refreshed by the store
     bytes: int = 0
 
@@ -37,6 +39,9 @@ class StoreMetrics:
     misses: int = 0  # lookups that found fewer blocks than asked
     saves_refused: int = 0  # saves dropped because every slot of the host tier was leased
     writes_dropped: int = 0  # saves kept in host memory only: the write-behind backlog was full
+    load_errors: int = 0  # loads ended early by an unexpected error (the rest recomputed)
+    writer_errors: int = 0  # unexpected errors the write-behind thread survived (a batch each)
+    writer_alive: bool = True  # False once the write-behind thread has died (saves no longer reach files)
     hits_by_class: dict[str, int] = field(default_factory=dict)
     latency_counts: list[int] = field(default_factory=lambda: [0] * (len(LATENCY_BUCKETS) + 1))
     latency_sum: float = 0.0
@@ -61,6 +66,9 @@ class StoreMetrics:
             "misses": self.misses,
             "saves_refused": self.saves_refused,
             "writes_dropped": self.writes_dropped,
+            "load_errors": self.load_errors,
+            "writer_errors": self.writer_errors,
+            "writer_alive": self.writer_alive,
             "hits_by_class": dict(self.hits_by_class),
             "load_latency": {
                 "buckets": list(LATENCY_BUCKETS),

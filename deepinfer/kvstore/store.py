@@ -171,6 +171,7 @@ class KVStore:
         self._writer = threading.Thread(target=self._write_loop, name="deepinfer-kv-write", daemon=True)
         self._writer.start()
         self._closed = False
+        self._logged_errors: set[tuple[str, str, str]] = set()
         self._last_collect = clock()
 
     # ------------------------------------------------------------------ lookup
@@ -199,6 +200,20 @@ class KVStore:
         return LoadHandle(self, keys, self._loader.submit(self._load, keys, cls))
 
     def _load(self, keys: list[bytes], cls: str) -> list[int]:
+        """The leading blocks of ``keys`` loaded into leased host slots (a prefix of ``keys``). Never
+        raises: a failure ends the prefix there (the engine recomputes the rest) and is counted."""
+        slots: list[int] = []
+        try:
+            return self._load_into(keys, cls, slots)
+        except Exception:  # a bug or an unexpected error must not reach the engine step
+            logger.exception(
+                "kv store: loading %d blocks failed; %d loaded, the rest recomputed", len(keys), len(slots)
+            )
+            with self._lock:
+                self.metrics.load_errors += 1
+            return slots
+
+    def _load_into(self, keys: list[bytes], cls: str, slots: list[int]) -> list[int]:
         start = time.perf_counter()
         now = self.clock()
         with self._lock:
@@ -209,7 +224,6 @@ class KVStore:
             for i, key in enumerate(keys)
             if not in_host[i]
         }
-        slots: list[int] = []
         promoted = []
         try:
             for i, key in enumerate(keys):
@@ -257,13 +271,30 @@ class KVStore:
         return slots
 
     def _read_files(self, key: bytes, now: float, cls: str) -> memoryview | None:
-        """The verified payload from the fastest file tier holding ``key`` (its expiry extended)."""
+        """The verified payload from the fastest file tier holding ``key`` (its expiry extended). A
+        tier whose read fails with an I/O error (EIO, EACCES, EMFILE, ESTALE, ...) is a counted miss
+        there; the next tier is tried."""
         for tier in self.files:
-            payload = tier.read(key, now)
-            if payload is not None:
-                tier.touch(key, now, cls)
-                return payload
+            try:
+                payload = tier.read(key, now)
+                if payload is not None:
+                    tier.touch(key, now, cls)
+                    return payload
+            except OSError as exc:
+                self._io_error(tier, "read_errors", f"reading block {key.hex()[:16]}", exc)
         return None
+
+    def _io_error(self, tier, counter: str, what: str, exc: BaseException) -> None:
+        """Count an I/O error of ``tier`` under ``counter`` and log the first of each kind."""
+        name = "shared" if tier.shared else "disk"
+        with self._lock:
+            counters = self.metrics.tier(name)
+            setattr(counters, counter, getattr(counters, counter) + 1)
+            first = (name, counter, type(exc).__name__) not in self._logged_errors
+            self._logged_errors.add((name, counter, type(exc).__name__))
+        if first:
+            logger.warning("kv store: %s tier failed %s (%s: %s); counted as a miss from now on, logged once",
+                           name, what, type(exc).__name__, exc)  # fmt: skip
 
     def _release(self, slots: list[int]) -> None:
         with self._lock:
@@ -381,22 +412,30 @@ class KVStore:
             return self._flushers > 0 or self._pending_writes * 2 >= self.max_pending_writes
 
     def _write_loop(self) -> None:
+        """The write-behind thread: one batch at a time into every file tier. Tiers fail independently
+        (a full local disk still writes the shared tier, and the other way round), each failure
+        counted per tier; an unexpected error is counted and logged, and the thread goes on. A failed
+        batch stays in host memory only. Its slots are released whatever happens."""
         while True:
             batch = self._next_batch()
             if batch is None:
                 return
             try:
                 now = self.clock()
-                for key, slot, cls in batch:
-                    if slot is None:
-                        for tier in self.files:
-                            tier.touch(key, now, cls)
                 # the slots are leased to this thread: their rows are written from in place
                 items = [(k, self._host_rows[s].data, c) for k, s, c in batch if s is not None]
                 for tier in self.files:
-                    tier.write_batch(items, now)
-            except OSError:  # a full or failing disk: this batch stays in host memory, the writer goes on
-                logger.exception("kv store: writing %d blocks behind failed", len(batch))
+                    try:
+                        for key, slot, cls in batch:
+                            if slot is None:
+                                tier.touch(key, now, cls)
+                        tier.write_batch(items, now)
+                    except OSError as exc:  # a full or failing disk: this tier misses the batch
+                        self._io_error(tier, "write_errors", f"writing {len(items)} blocks", exc)
+            except Exception:
+                logger.exception("kv store: the write-behind failed on %d blocks; it goes on", len(batch))
+                with self._lock:
+                    self.metrics.writer_errors += 1
             finally:
                 with self._lock:
                     writes = 0
@@ -408,13 +447,27 @@ class KVStore:
                     self._pending_writes -= writes
                     self._idle.notify_all()
 
+    @property
+    def writer_alive(self) -> bool:
+        """Whether the write-behind thread runs (False after it died, or once the store is closed)."""
+        return self._writer.is_alive()
+
     def flush(self, timeout: float | None = None) -> bool:
-        """Wait until every queued write is durable (the writer's window ends at once); False on timeout."""
+        """Wait until every queued write is durable (the writer's window ends at once); False on
+        timeout, or at once if the writer is no longer running (nothing would write them)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
         with self._idle:
             self._flushers += 1
             self._hurry.set()  # a writer sleeping out its window writes now
             try:
-                return self._idle.wait_for(lambda: self._pending == 0, timeout)
+                while self._pending:
+                    if not self._writer.is_alive():
+                        return False
+                    left = 0.5 if deadline is None else min(0.5, deadline - time.monotonic())
+                    if left <= 0:
+                        return False
+                    self._idle.wait(left)
+                return True
             finally:
                 self._flushers -= 1
 
@@ -485,20 +538,33 @@ class KVStore:
 
     def snapshot(self) -> dict:
         with self._lock:
+            self.metrics.writer_alive = self._closed or self._writer.is_alive()
             return self.metrics.snapshot()
 
-    def close(self) -> None:
-        """Finish queued writes and stop the threads."""
+    def close(self, timeout: float = 30.0) -> bool:
+        """Write what is queued (within ``timeout`` seconds), record the stats and stop the threads;
+        False (logged, with the blocks left unwritten) if the writes did not finish in time."""
         if self._closed:
-            return
+            return True
         self._closed = True
+        written = self.flush(timeout)
+        if not written:
+            with self._lock:
+                left = self._pending_writes
+            logger.warning(
+                "kv store: closing with %d blocks not written within %g s (kept nowhere)", left, timeout
+            )
         self._writes.put(None)
         self._hurry.set()
-        self._writer.join()
+        self._writer.join(timeout if not written else None)
         self._loader.shutdown(wait=True)
         self._readers.shutdown(wait=True)
         for tier in self.files:
             tier.close()
-        self._record_stats()
+        try:
+            self._record_stats()
+        except OSError as exc:
+            logger.warning("kv store: could not record its stats on close (%s)", exc)
         if self._owner is not None:
             self._owner.release()
+        return written

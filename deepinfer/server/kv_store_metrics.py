@@ -24,6 +24,8 @@ COUNTERS = {
     "evictions": "Blocks evicted from the tier for capacity",
     "expirations": "Expired blocks collected from the tier",
     "corrupt_reads": "Bad records found in the tier (each a miss, removed)",
+    "read_errors": "Reads of the tier that failed with an I/O error (each a miss)",
+    "write_errors": "Write-behind batches the tier failed to write (kept in host memory)",
 }
 
 
@@ -53,11 +55,21 @@ def kv_store_families(snapshots: dict[str | None, dict]) -> Iterator[Metric]:
         ("misses", "Lookups that found fewer blocks than asked"),
         ("saves_refused", "Block saves dropped because every host slot was leased"),
         ("writes_dropped", "Block saves kept in host memory only because the write-behind backlog was full"),
+        ("load_errors", "Loads ended early by an unexpected error (the rest recomputed)"),
+        ("writer_errors", "Unexpected errors the write-behind thread survived (one batch each)"),
     ):
         family = CounterMetricFamily(f"deepinfer_kv_store_{name}", help_text, labels=extra)
         for rank, snapshot in snapshots.items():
             family.add_metric(labels(rank), snapshot[name])
         yield family
+    family = GaugeMetricFamily(
+        "deepinfer_kv_store_writer_alive",
+        "1 while the write-behind thread runs, 0 once it died",
+        labels=extra,
+    )
+    for rank, snapshot in snapshots.items():
+        family.add_metric(labels(rank), 1 if snapshot["writer_alive"] else 0)
+    yield family
     family = HistogramMetricFamily(
         "deepinfer_kv_store_load_seconds", "Time to load a batch of blocks", labels=extra
     )

@@ -125,7 +125,8 @@ def test_a_failed_batch_is_logged_and_the_writer_keeps_writing(tmp_path: Path, c
     assert store.flush(30)
     commit(store, ks[1], 2)
     assert store.flush(30)  # the writer survived the failure
-    assert failures == [1] and "writing 1 blocks behind failed" in caplog.text
+    assert failures == [1] and "disk tier failed writing 1 blocks" in caplog.text
+    assert store.snapshot()["tiers"]["disk"]["write_errors"] == 1
     assert store.host.leases == {}
     store.close()
     disk = tier(tmp_path)

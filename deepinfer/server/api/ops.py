@@ -2,7 +2,8 @@
 
 ``/health`` never waits for the engine: it reads flags, so it answers at once even when every
 admission slot is taken. It is 503 while the engine core is starting or restarting, after it
-failed, and while the server drains.
+failed, and while the server drains; ``degraded`` (200) while a KV store's write-behind thread is
+dead (the server still answers, but saved blocks no longer reach the store's files).
 """
 
 from __future__ import annotations
@@ -61,9 +62,18 @@ async def health(ctx: Serving) -> JSONResponse:
         reason = "the server is shutting down"
     elif client.healthy:
         role = worker_role(ctx)
-        return JSONResponse(
-            {"status": "ok", "role": role.value, "pid": os.getpid(), "engine_cores": client.core_pids()}
-        )
+        body = {"status": "ok", "role": role.value, "pid": os.getpid(), "engine_cores": client.core_pids()}
+        dead = [
+            i
+            for i, s in client.core_stats().items()
+            if s.kv_store is not None and not s.kv_store["writer_alive"]
+        ]
+        if dead:  # it still serves, but saved blocks no longer reach the store's files
+            body["status"] = "degraded"
+            body["reason"] = (
+                f"the KV store's write-behind thread died in engine core(s) {dead}: saves stay in memory"
+            )
+        return JSONResponse(body)
     else:
         reason = client.error or "the engine core is starting"
     return JSONResponse(
