@@ -27,6 +27,7 @@ import torch
 from torch import Tensor
 
 from deepinfer.backends.cache_spec import KVCacheSpec
+from deepinfer.backends.quant import WeightFormat
 from deepinfer.backends.registry import active_ops, portable
 
 ScoringFunc = Literal["sigmoid", "softmax"]
@@ -305,6 +306,95 @@ def ep_combine(expert_out: Tensor, dispatch: EPDispatch, group: Any | None) -> T
     ``sum_j weight[t, j] * out[t, j]`` (float32 accumulation). Returns [T, D] in expert_out's dtype.
     Collective."""
     return active_ops().ep_combine(expert_out, dispatch, group)
+
+
+# ----------------------------------------------------------------------------------------- quantised weights
+# Weights kept as stored: (values, scale) pairs in a ``WeightFormat`` (deepinfer.backends.quant states
+# each layout exactly). Every op below is defined as "dequantise with ``quant.dequantize``, then the
+# high-precision op"; a backend converts per tile instead, with float32 accumulation, and must match
+# that definition within the conformance tolerance. They are portable: a backend without its own
+# kernel runs the reference (dequantise, then matmul), which the activation log names.
+
+
+@portable
+def quant_fp8_group(x: Tensor, group: int, ue8m0: bool) -> tuple[Tensor, Tensor]:
+    """Per-token-group FP8 activation quantisation (DeepSeek's ``act_quant``).
+
+    x: [M, K] float -> (values [M, K] float8_e4m3fn, scale [M, ceil(K / group)] float32) with
+    ``x ≈ values * scale`` per group of ``group`` columns (the last group may be partial). scale =
+    max(group amax, 1e-4) / 448, rounded up to a power of two when ``ue8m0`` (V3.1 and later). Exactly
+    ``quant.quantize_activations_fp8``: a row's result never depends on the other rows.
+    """
+    return active_ops().quant_fp8_group(x, group, ue8m0)
+
+
+@portable
+def fp8_linear(
+    x: Tensor, weight: Tensor, weight_scale: Tensor, block: tuple[int, int], bias: Tensor | None
+) -> Tensor:
+    """W8A16 block-scaled projection: activations stay in their dtype, weights are FP8.
+
+    x: [T, K] (float32, bfloat16 or float16); weight: [N, K] float8_e4m3fn; weight_scale:
+    [ceil(N / bn), ceil(K / bk)] float32 for ``block = (bn, bk)``; bias: [N] or None. Returns [T, N] in
+    x's dtype: ``x @ dequantize(weight, weight_scale).T (+ bias)``, accumulated in float32 (each K
+    block's partial product scaled by its own block scale). N and K need not be multiples of the block.
+    """
+    return active_ops().fp8_linear(x, weight, weight_scale, block, bias)
+
+
+@portable
+def fp8_linear_w8a8(
+    x_values: Tensor,
+    x_scale: Tensor,
+    weight: Tensor,
+    weight_scale: Tensor,
+    block: tuple[int, int],
+    bias: Tensor | None,
+    out_dtype: torch.dtype,
+) -> Tensor:
+    """W8A8 block-scaled projection, for hardware that multiplies FP8 (the model quantises x first with
+    ``quant_fp8_group(x, block[1], ...)``).
+
+    x_values: [T, K] float8_e4m3fn with x_scale [T, ceil(K / bk)] float32; weight / weight_scale as in
+    ``fp8_linear``. Returns [T, N] in ``out_dtype``: ``(x_values * x_scale) @ dequantize(weight).T (+
+    bias)``, float32 accumulation with both scales applied per K block inside the K loop.
+    """
+    return active_ops().fp8_linear_w8a8(x_values, x_scale, weight, weight_scale, block, bias, out_dtype)
+
+
+@portable
+def grouped_gemm_quant(
+    x: Tensor, weight: Tensor, weight_scale: Tensor, fmt: WeightFormat, group_sizes: Tensor
+) -> Tensor:
+    """``grouped_gemm`` with quantised expert weights (W8A16 / W4A16).
+
+    x: [N, K] rows sorted by expert as in ``grouped_gemm``; weight: [E, Nout, K] float8_e4m3fn or, for
+    ``fmt.kind == "mxfp4"``, [E, Nout, K / 2] uint8; weight_scale: [E, *fmt.scale_shape(Nout, K)];
+    group_sizes: [E] int64. Returns [N, Nout] in x's dtype:
+    ``out[r] = dequantize(weight[e(r)], weight_scale[e(r)]) @ x[r]``, float32 accumulation.
+    """
+    return active_ops().grouped_gemm_quant(x, weight, weight_scale, fmt, group_sizes)
+
+
+@portable
+def fused_moe_quant(
+    hidden: Tensor,
+    w13: Tensor,
+    w13_scale: Tensor,
+    w2: Tensor,
+    w2_scale: Tensor,
+    fmt: WeightFormat,
+    topk_weights: Tensor,
+    topk_ids: Tensor,
+) -> Tensor:
+    """``fused_moe`` with quantised expert weights (FP8 block-scaled or MXFP4, ``fmt``).
+
+    hidden: [T, D]; w13: [E, 2I, D] values (``[E, 2I, D / 2]`` uint8 for mxfp4) with w13_scale
+    [E, *fmt.scale_shape(2I, D)]; w2: [E, D, I] values with w2_scale [E, *fmt.scale_shape(D, I)];
+    topk_weights / topk_ids as in ``fused_moe`` (negative ids contribute nothing). Returns [T, D] in
+    hidden's dtype, equal to ``fused_moe`` on the dequantised weights (float32 accumulation).
+    """
+    return active_ops().fused_moe_quant(hidden, w13, w13_scale, w2, w2_scale, fmt, topk_weights, topk_ids)
 
 
 # ----------------------------------------------------------------------------------------- sampling

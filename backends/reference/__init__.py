@@ -17,8 +17,9 @@ from deepinfer.backends.reference import (  # noqa: E402  (submodules register i
     linear,
     moe,
     norm,
+    quant,
     rope,
     sampling,
 )
 
-__all__ = ["OPS", "attention", "cache", "deterministic", "ep", "linear", "moe", "norm", "rope", "sampling"]
+__all__ = ["OPS", "attention", "cache", "deterministic", "ep", "linear", "moe", "norm", "quant", "rope", "sampling"]

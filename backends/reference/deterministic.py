@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from deepinfer.backends.quant import WeightFormat, dequantize
 from deepinfer.backends.reference import OPS
 from deepinfer.backends.reference.invariant import (
     KV_SPLIT,
@@ -159,3 +160,51 @@ OPS.declare_invariant(
     "each token's expert outputs are weighted elementwise and added in the token's own send order "
     "(ascending destination rank, then its top-k slot), whatever other tokens were sent",
 )
+OPS.declare_invariant(
+    ["quant_fp8_group"], "per row: one amax and one division per group, no cross-row arithmetic"
+)
+
+
+@OPS.implement_invariant(ONE_SHAPE + " on the dequantised weight")
+def fp8_linear(
+    x: Tensor, weight: Tensor, weight_scale: Tensor, block: tuple[int, int], bias: Tensor | None
+) -> Tensor:
+    w = dequantize(weight, weight_scale, WeightFormat("fp8", tuple(block)))
+    return tiled_linear(x.float(), w, None if bias is None else bias.float()).to(x.dtype)
+
+
+@OPS.implement_invariant(ONE_SHAPE + " on the dequantised activations and weight")
+def fp8_linear_w8a8(
+    x_values: Tensor,
+    x_scale: Tensor,
+    weight: Tensor,
+    weight_scale: Tensor,
+    block: tuple[int, int],
+    bias: Tensor | None,
+    out_dtype: torch.dtype,
+) -> Tensor:
+    x = dequantize(x_values, x_scale, WeightFormat("fp8", (1, block[1])))
+    w = dequantize(weight, weight_scale, WeightFormat("fp8", tuple(block)))
+    return tiled_linear(x, w, None if bias is None else bias.float()).to(out_dtype)
+
+
+@OPS.implement_invariant(ONE_SHAPE + " per expert, on the dequantised weights")
+def grouped_gemm_quant(
+    x: Tensor, weight: Tensor, weight_scale: Tensor, fmt: WeightFormat, group_sizes: Tensor
+) -> Tensor:
+    return tiled_grouped(x.float(), dequantize(weight, weight_scale, fmt), group_sizes.tolist()).to(x.dtype)
+
+
+@OPS.implement_invariant("the invariant fused_moe on the dequantised weights")
+def fused_moe_quant(
+    hidden: Tensor,
+    w13: Tensor,
+    w13_scale: Tensor,
+    w2: Tensor,
+    w2_scale: Tensor,
+    fmt: WeightFormat,
+    topk_weights: Tensor,
+    topk_ids: Tensor,
+) -> Tensor:
+    w13_f, w2_f = dequantize(w13, w13_scale, fmt), dequantize(w2, w2_scale, fmt)
+    return fused_moe(hidden.float(), w13_f, w2_f, topk_weights, topk_ids).to(hidden.dtype)
