@@ -59,7 +59,9 @@ ENV_VARS: dict[str, EnvVar] = {
             "1",
             _bool,
             "When true, the command-line entry points re-execute themselves once with glibc malloc "
-            "thresholds raised (GLIBC_TUNABLES), which removes page-fault storms on large temporaries.",
+            "thresholds raised (GLIBC_TUNABLES), which removes page-fault storms on large temporaries, "
+            "and with the OpenMP thread policy if torch was imported first. False: they never "
+            "re-execute (what a program calling deepinfer.cli.main() in its own process needs).",
         ),
         EnvVar(
             "DEEPINFER_CACHE_DIR",

@@ -87,3 +87,22 @@ def test_a_script_that_imported_torch_first_is_re_executed(malloc: str) -> None:
     script = "import torch\nfrom deepinfer.malloc_tuning import reexec_with_malloc_tuning\nreexec_with_malloc_tuning()\n"
     stderr = run(["-c", script], runtimes=2, **({"GLIBC_TUNABLES": malloc} if malloc else {})).stderr
     assert stderr.index(DEFAULT) < stderr.index(PASSIVE)
+
+
+def test_main_in_process_with_tuning_off_never_replaces_the_process(tiny_model: Path) -> None:
+    """``deepinfer.cli.main()`` called inside a process that imported torch first (a test under pytest)
+    with DEEPINFER_MALLOC_TUNING=0 runs in that process: it used to execve it, so pytest restarted."""
+    script = (
+        "import os, torch\nfrom deepinfer.cli import main\nprint('started', flush=True)\n"
+        f"rc = main(['plan', 'memory', '--model', {str(tiny_model)!r}, '--ep', '1'])\n"
+        "print('still here', os.getpid(), rc)\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", script], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120,
+        env={**{k: v for k, v in os.environ.items() if k not in THREAD_POLICY},
+             "DEEPINFER_MALLOC_TUNING": "0", "DEEPINFER_ACCELERATOR": "cpu"},
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.count("started") == 1, proc.stdout  # a re-exec would run the script again
+    assert "still here" in proc.stdout and proc.stdout.strip().endswith(" 0")
+    assert "OpenMP was loaded" in proc.stderr  # the policy could not be applied, and it says so
