@@ -25,7 +25,9 @@ from deepinfer.web.errors import install_error_handlers
 def build_app(client: EngineClient, config: ServerConfig, tokenizer: Tokenizer | None) -> FastAPI:
     """An app serving through ``client``. The app's startup starts the client's cores and waits
     until they are ready (ASGI lifespan); its shutdown stops them."""
-    metrics = ServerMetrics(lambda: client.stats, lambda: client.num_in_flight, client.core_stats)
+    metrics = ServerMetrics(
+        lambda: client.stats, lambda: client.num_in_flight, client.core_stats, lambda: client.dropped_messages
+    )
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

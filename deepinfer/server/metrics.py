@@ -31,10 +31,12 @@ class _EngineCollector(Collector):
         stats: Callable[[], EngineStats],
         in_flight: Callable[[], int],
         per_core: Callable[[], dict[int, EngineStats]],
+        dropped_messages: Callable[[], int],
     ) -> None:
         self._stats = stats
         self._in_flight = in_flight
         self._per_core = per_core
+        self._dropped_messages = dropped_messages
 
     def collect(self) -> Iterator[Metric]:
         s = self._stats()
@@ -62,6 +64,11 @@ class _EngineCollector(Collector):
         )
         yield CounterMetricFamily(
             "deepinfer_prefix_cache_hits", "Prompt tokens found in the prefix cache", value=s.prefix_hits
+        )
+        yield CounterMetricFamily(
+            "deepinfer_engine_channel_dropped_messages",
+            "Frames from the engine-core channel dropped as malformed or not their sender's to send",
+            value=self._dropped_messages(),
         )
         rate = s.prefix_hits / s.prefix_queries if s.prefix_queries else 0.0
         yield GaugeMetricFamily(
@@ -149,11 +156,13 @@ class ServerMetrics:
         stats: Callable[[], EngineStats],
         in_flight: Callable[[], int],
         per_core: Callable[[], dict[int, EngineStats]] = dict,
+        dropped_messages: Callable[[], int] = lambda: 0,
     ) -> None:
         """``stats``: the cores' stats summed; ``per_core``: each core's (data-parallel ranks get
-        per-rank series when there are several)."""
+        per-rank series when there are several); ``dropped_messages``: the engine client's count of
+        channel frames it dropped (``EngineClient.dropped_messages``)."""
         self.registry = CollectorRegistry()
-        self.registry.register(_EngineCollector(stats, in_flight, per_core))
+        self.registry.register(_EngineCollector(stats, in_flight, per_core, dropped_messages))
         r = self.registry
         self.ttft = Histogram(
             "deepinfer_time_to_first_token_seconds",

@@ -24,6 +24,7 @@ from deepinfer.core.client import CoreStartupError, EngineClient, EngineDead
 from deepinfer.core.launch import CoreHandle, CoreThread
 from deepinfer.engine.llm_engine import LLMEngine
 from deepinfer.sampling_params import SamplingParams
+from deepinfer.server.metrics import ServerMetrics
 
 OPTIONS = {"num_kv_blocks": 64, "max_model_len": 256}
 
@@ -152,6 +153,11 @@ def test_forged_and_malformed_frames_are_dropped_and_the_reader_carries_on(tiny_
                 dropped=client.dropped_messages,
                 healthy=client.healthy,
                 failure=client._cores[0].failure,
+                metrics=ServerMetrics(
+                    lambda: client.stats, lambda: 0, dropped_messages=lambda: client.dropped_messages
+                )
+                .render()
+                .decode(),
             )
             again = client.submit([8, 9], SamplingParams(max_tokens=2, ignore_eos=True))
             with again:
@@ -168,6 +174,7 @@ def test_forged_and_malformed_frames_are_dropped_and_the_reader_carries_on(tiny_
     assert len(result["tokens"]) == 40 and result["reason"] == "length"  # the forged "finish" never landed
     assert result["dropped"] == len(forged) and result["healthy"] and result["failure"] is None
     assert result["again"] == 2
+    assert f"deepinfer_engine_channel_dropped_messages_total {float(len(forged))}" in result["metrics"]
 
 
 class StalledCore(CoreHandle):
