@@ -20,6 +20,8 @@ from deepinfer.ops_cuda import (  # noqa: E402  (modules register into OPS)
     mla_prefill,
     moe,
     norm,
+    quant_linear,
+    quant_moe,
     rope,
     routing,
     sampling,
@@ -35,6 +37,10 @@ OPS.declare_invariant(
     ["moe_route"], "each token routed in its own lanes; the block shape follows the expert count only"
 )
 OPS.declare_invariant(["sample"], "one program per row; counter-based noise")
+OPS.declare_invariant(
+    ["quant_fp8_group"],
+    "one program per (row, chunk of groups): each group's amax and scale from its row alone",
+)
 OPS.declare_invariant(["ep_dispatch"], "row copies and exchange")
 OPS.declare_invariant(
     ["ep_combine"], "one program per token sums its k outputs in top-k slot order (no atomics)"
@@ -57,6 +63,8 @@ __all__ = [
     "mla_prefill",
     "moe",
     "norm",
+    "quant_linear",
+    "quant_moe",
     "rope",
     "routing",
     "sampling",
