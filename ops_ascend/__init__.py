@@ -8,7 +8,10 @@ Modules: ``norm`` (npu_rms_norm, npu_add_rms_norm, npu_swiglu), ``rope`` (npu_ro
 ``routing`` (npu_moe_gating_top_k), ``experts`` (npu_moe_init_routing_v2, npu_grouped_matmul,
 npu_swiglu, npu_moe_token_unpermute), ``sampling`` (the Ascend C kernel from ``csrc`` or torch),
 ``graph`` (updating captured attention lengths), ``deterministic`` (per op, what torch_npu's documentation
-says about batch invariance and where deterministic mode routes an op instead), plus shared helpers (``fia``, ``host``, ``native``).
+says about batch invariance and where deterministic mode routes an op instead), ``quant`` (FP8 block-scaled
+and MXFP4 weights kept as stored: W8A16 by per-tile dequantisation on every chip, FP8 matmuls and
+activation quantisation on the 950 via npu_quant_matmul / npu_dynamic_mx_quant) with its deterministic
+formulations in ``quant_invariant``, plus shared helpers (``fia``, ``host``, ``native``).
 ``ep_dispatch`` / ``ep_combine`` run the reference's torch.distributed exchange (all_to_all_single, on the
 HCCL group here), and portable ops their reference implementation; activation logs each such op.
 """
@@ -24,6 +27,8 @@ from deepinfer.ops_ascend import (  # noqa: E402  (submodules register into OPS)
     experts,
     norm,
     prefill,
+    quant,
+    quant_invariant,
     rope,
     routing,
     sampling,
@@ -58,6 +63,8 @@ __all__ = [
     "experts",
     "norm",
     "prefill",
+    "quant",
+    "quant_invariant",
     "rope",
     "routing",
     "sampling",

@@ -5,21 +5,25 @@ schema / meta registrations where that file has no entry, and the CANN aclnn for
 same signatures and DEFAULTS (``scale=1.0``, ``cache_mode='PA_NZ'`` ...), the documented layouts, and the
 documented argument checks, which raise. Computation is float32 on CPU tensors. ``install()`` puts the
 emulation into ``sys.modules['torch_npu']`` and ``torch.npu`` (streams, events, graphs with task groups
-and updates); ``uninstall()`` removes both. Nothing outside tests/ascend imports this package.
+and updates, ``get_device_name``); ``uninstall()`` removes both. The emulated device is an A2
+(``Ascend910B3``) unless ``DEEPINFER_EMULATED_NPU`` names another at install or ``set_device_name``
+changes it: ops documented for some chips only (FP8 quantisation: 950) raise on the others. Nothing
+outside tests/ascend imports this package.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 from types import ModuleType
 
 import torch
 
-from tests.ascend.emulation import attention, cache, elementwise, moe, runtime
+from tests.ascend.emulation import attention, cache, elementwise, moe, quant, runtime
 
 OPS = {
     name: getattr(module, name)
-    for module in (attention, cache, elementwise, moe)
+    for module in (attention, cache, elementwise, moe, quant)
     for name in dir(module)
     if name.startswith(("npu_", "_npu_"))
 }
@@ -36,13 +40,17 @@ RUNTIME = (
     "graph_task_group_end",
     "graph_task_update_begin",
     "graph_task_update_end",
+    "get_device_name",
 )
+set_device_name = runtime.set_device_name
 
 
 def _torch_npu() -> ModuleType:
     module = ModuleType("torch_npu", "Emulated torch_npu (tests/ascend/emulation).")
     for name, op in OPS.items():
         setattr(module, name, op)
+    for name, dtype in quant.DTYPES.items():
+        setattr(module, name, dtype)
     return module
 
 
@@ -57,6 +65,7 @@ def install() -> None:
     """Make ``import torch_npu`` and ``torch.npu`` resolve to the emulation."""
     if "torch_npu" in sys.modules and not getattr(sys.modules["torch_npu"], "__emulated__", False):
         raise RuntimeError("a real torch_npu is loaded; the emulation must not replace it")
+    runtime.set_device_name(os.environ.get("DEEPINFER_EMULATED_NPU", "Ascend910B3"))
     module = _torch_npu()
     module.__emulated__ = True
     sys.modules["torch_npu"] = module

@@ -41,6 +41,7 @@ class _Task:
 
 
 class _State:
+    device: str = "Ascend910B3"  # what get_device_name reports; set_device_name changes it
     capturing: NPUGraph | None = None
     updating: tuple[NPUGraph, int, int] | None = None
     inside_op = False
@@ -142,6 +143,20 @@ def host_call(fn: Callable[..., Any]) -> Callable[..., Any]:
             _state.inside_op = previous
 
     return call
+
+
+def get_device_name(device: Any = None) -> str:
+    """The emulated NPU's name (``torch.npu.get_device_name``): an A2 (Ascend910B3) unless changed."""
+    return _state.device
+
+
+def device_name() -> str:
+    return _state.device
+
+
+def set_device_name(name: str) -> None:
+    """Emulation only: which chip the emulated ops behave as (e.g. "Ascend950PR", "Ascend910_9382")."""
+    _state.device = name
 
 
 def is_current_stream_capturing() -> bool:
