@@ -288,5 +288,10 @@ class DataParallelRank:
         return decision
 
     def close(self) -> None:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        """Close this rank's engine (its KV store writes its backlog and stats record and releases its
+        directory), then leave the process group."""
+        try:
+            self.engine.close()
+        finally:
+            if dist.is_initialized():
+                dist.destroy_process_group()

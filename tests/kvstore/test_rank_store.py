@@ -61,3 +61,7 @@ def test_two_data_parallel_ranks_with_a_disk_tier_start_and_serve(tmp_path: Path
     finally:
         llm.close()
     assert all(not p.is_alive() for p in procs), "a rank process outlived close()"
+    for rank in range(2):  # each rank's engine closed its store: the stats record is written
+        assert list((tmp_path / f"rank-{rank}" / "kv1").rglob("stats/*.json")), (
+            f"rank {rank} never closed its store"
+        )
