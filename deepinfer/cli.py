@@ -77,9 +77,22 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"], help="weights' dtype"
     )
+    add_weights_argument(parser)
     parser.add_argument("--stream", action="store_true", help="print text as it is generated")
     parser.add_argument("--json", action="store_true", help="print one JSON object per prompt")
     parser.add_argument("--deterministic", action="store_true", help="batch-invariant mode (README)")
+
+
+def add_weights_argument(parser: argparse.ArgumentParser) -> None:
+    """``--weights``, shared by ``deepinfer run`` and ``deepinfer serve``."""
+    parser.add_argument(
+        "--weights",
+        default="as-stored",
+        choices=["as-stored", "bf16", "fp32"],
+        help="quantised (FP8/MXFP4) checkpoint weights: as-stored keeps them in low precision where the "
+        "backend has kernels for them (else dequantises them at load, and says so); bf16 / fp32 "
+        "dequantise them at load into that dtype (the model dtype follows)",
+    )
 
 
 def _read_prompts(args: argparse.Namespace) -> list[str]:
@@ -125,7 +138,11 @@ def _run(args: argparse.Namespace) -> int:
     prompts = _read_prompts(args)
     from deepinfer.llm import LLM
 
-    options = {"dtype": args.dtype, **({"deterministic": True} if args.deterministic else {})}
+    options = {
+        "dtype": args.dtype,
+        "weights": args.weights,
+        **({"deterministic": True} if args.deterministic else {}),
+    }
     if args.accelerator:
         options["accelerator"] = args.accelerator
     llm = LLM(args.model, **options)
@@ -133,7 +150,7 @@ def _run(args: argparse.Namespace) -> int:
     if not args.json:
         print(
             f"deepinfer {__version__} | platform {engine.platform.describe()} | model {engine.checkpoint.path.name} "
-            f"({str(engine.dtype).removeprefix('torch.')})",
+            f"({str(engine.dtype).removeprefix('torch.')}) | {engine.weights_summary}",
             file=sys.stderr,
         )
     for i, prompt in enumerate(prompts):

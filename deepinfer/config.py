@@ -9,6 +9,10 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from deepinfer.kvstore.config import KVStoreConfig
 
 DType = Literal["auto", "float32", "bfloat16", "float16"]
+# What quantised checkpoint weights are held as (deepinfer.model.weight_plan): as stored where the
+# backend has kernels for them, or dequantised at load into bfloat16 / float32.
+Weights = Literal["as-stored", "bf16", "fp32"]
+WEIGHTS_DTYPES = {"bf16": "bfloat16", "fp32": "float32"}
 
 
 class EngineConfig(BaseModel):
@@ -19,6 +23,12 @@ class EngineConfig(BaseModel):
     model: str = Field(description="Hugging Face model folder")
     tokenizer: str | None = Field(None, description="tokenizer folder; defaults to the model folder")
     dtype: DType = Field("auto", description="auto: float32 on cpu, the checkpoint's dtype elsewhere")
+    weights: Weights = Field(
+        "as-stored",
+        description="quantised (FP8 / MXFP4) checkpoint weights: as-stored keeps them in low precision where "
+        "the backend has kernels for them (else dequantises at load, and says so); bf16 / fp32 dequantise "
+        "at load into that dtype (the model dtype follows; an explicit other dtype is an error)",
+    )
     accelerator: str | None = Field(None, description="platform name; None reads DEEPINFER_ACCELERATOR")
     max_model_len: int | None = Field(None, ge=2, description="context length; None: the model's maximum")
     max_num_seqs: int = Field(256, ge=1, description="most requests in one step")
@@ -125,6 +135,16 @@ class EngineConfig(BaseModel):
         gt=0,
         description="a collective waiting longer than this fails: a dead or hung rank is an error",
     )
+
+    @model_validator(mode="after")
+    def _check_weights(self) -> EngineConfig:
+        wanted = WEIGHTS_DTYPES.get(self.weights)
+        if wanted is not None and self.dtype not in ("auto", wanted):
+            raise ValueError(
+                f"weights={self.weights!r} dequantises into {wanted}, but dtype={self.dtype!r}: leave dtype "
+                f"'auto' or give {wanted!r}"
+            )
+        return self
 
     @model_validator(mode="after")
     def _check_parallel(self) -> EngineConfig:

@@ -31,7 +31,10 @@ class LLM:
     """Generate completions for batches of prompts.
 
     ``model`` is a Hugging Face model folder (default: the model shipped with deepinfer); any other
-    keyword is an ``EngineConfig`` field (``dtype``, ``max_model_len``, ``enable_prefix_caching`` ...);
+    keyword is an ``EngineConfig`` field (``dtype``, ``weights``, ``max_model_len``,
+    ``enable_prefix_caching`` ...); ``weights="as-stored"`` (default) keeps a quantised checkpoint's
+    FP8 / MXFP4 weights in low precision where the backend has kernels for them, ``"bf16"`` /
+    ``"fp32"`` dequantise them at load (``llm.engine.weights_summary`` says which);
     ``max_num_batched_tokens`` defaults to ``OFFLINE_MAX_NUM_BATCHED_TOKENS`` here.
     ``data_parallel_size=N`` (with ``enable_expert_parallel=True`` to shard the experts) runs N rank
     processes (spawned: a script must guard its entry with ``if __name__ == "__main__":``).

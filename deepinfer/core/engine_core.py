@@ -91,7 +91,7 @@ class EngineCore:
             vocab_size=e.model_config.vocab_size,
             num_kv_blocks=e.kv_cache.pool.num_blocks,
             block_size=e.cache_spec.block_size,
-            description=f"{e.platform.describe()}, {str(e.dtype).removeprefix('torch.')}",
+            description=f"{e.platform.describe()}, {str(e.dtype).removeprefix('torch.')}, {e.weights_summary}",
             node_role=e.platform.node_role.value,
             kv_layout=kv_layout_fingerprint(e),
             cost_model=CostModel.of(step_cost_model(e)),

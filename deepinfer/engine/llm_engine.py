@@ -22,7 +22,7 @@ import torch
 from deepinfer import envs
 from deepinfer.backends import ops
 from deepinfer.backends.registry import activate, active_ops
-from deepinfer.config import EngineConfig
+from deepinfer.config import WEIGHTS_DTYPES, EngineConfig
 from deepinfer.engine.cost_model import StepCostModel
 from deepinfer.engine.kv_cache_manager import KVCacheManager
 from deepinfer.engine.output_processor import OutputProcessor
@@ -59,6 +59,8 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 def _resolve_dtype(config: EngineConfig, platform: Platform, checkpoint_dtype: str | None) -> torch.dtype:
     if config.dtype != "auto":
         return DTYPES[config.dtype]
+    if config.weights in WEIGHTS_DTYPES:  # --weights bf16 / fp32: the model computes in that dtype
+        return DTYPES[WEIGHTS_DTYPES[config.weights]]
     if platform.device_type == "cpu":
         return torch.float32
     return DTYPES.get(checkpoint_dtype or "bfloat16", torch.bfloat16)
@@ -83,7 +85,9 @@ class LLMEngine:
         folder = Path(config.model)
         raw_dtype = _checkpoint_dtype(folder)
         self.dtype = _resolve_dtype(config, self.platform, raw_dtype)
-        self.model, self.checkpoint = load_model(folder, self.dtype, self.device, shard)
+        self.model, self.checkpoint = load_model(folder, self.dtype, self.device, shard, config.weights)
+        # The startup line's words for the weights, e.g. "weights fp8 128x128 ue8m0 as stored, W8A16".
+        self.weights_summary = self.model.weight_plan.describe()
         if self.model.lm_head is not None:  # a tied head is the embedding table: kept row-major
             head = self.model.lm_head.weight
             head.data = self.platform.lm_head_layout(head.data)
@@ -164,10 +168,11 @@ class LLMEngine:
         )
         self._inflight: tuple[SchedulerOutput, Future[RunnerOutput]] | None = None
         logger.info(
-            "engine ready: %s on %s, %s, %d KV blocks of %d tokens (%d layers)",
+            "engine ready: %s on %s, %s, %s, %d KV blocks of %d tokens (%d layers)",
             folder.name,
             self.platform.describe(),
             str(self.dtype).removeprefix("torch."),
+            self.weights_summary,
             num_blocks,
             self.cache_spec.block_size,
             self.model.num_cache_layers,

@@ -6,6 +6,10 @@ Per token the cache holds only the normalised latent ``c`` (kv_lora_rank wide) a
 tile by tile with ``mla_prefill_partial`` and a log-sum-exp merge, so the expanded keys held at once
 stay bounded); decode folds ``W_UK`` into the query and ``W_UV`` after the
 attention, so ``mla_decode`` reads the latent cache directly (MQA with one 576-wide head for V3).
+
+With a quantised checkpoint the projections stay FP8 where the ``WeightPlan`` says so, except
+``kv_b_proj``: it is dequantised once at load into the model dtype, since the absorbed decode path
+reads it as per-head factors (``w_uk``, ``w_uv``), as DeepSeek's reference does.
 """
 
 from __future__ import annotations
@@ -18,15 +22,26 @@ from torch import Tensor, nn
 from deepinfer.backends import ops
 from deepinfer.model.attn_metadata import AttentionMetadata, PrefillMetadata
 from deepinfer.model.config import ModelConfig
-from deepinfer.model.layers import Linear, RMSNorm
+from deepinfer.model.layers import Linear, RMSNorm, linear
+from deepinfer.model.weight_plan import WeightPlan
 
 
 class MLAAttention(nn.Module):
     def __init__(
-        self, config: ModelConfig, layer: int, dtype: torch.dtype, device: torch.device | str
+        self,
+        config: ModelConfig,
+        layer: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        plan: WeightPlan | None = None,
     ) -> None:
         super().__init__()
         c = config
+        prefix = f"model.layers.{layer}.self_attn."
+
+        def quant(name: str):
+            return None if plan is None else plan.linear(f"{prefix}{name}.weight")
+
         self.heads = c.num_attention_heads
         self.nope, self.rope_dim, self.v_dim = c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim
         self.latent = c.kv_lora_rank
@@ -36,15 +51,25 @@ class MLAAttention(nn.Module):
         bias = c.attention_bias
         self.q_lora = bool(c.q_lora_rank)
         if self.q_lora:
-            self.q_a_proj = Linear(c.hidden_size, c.q_lora_rank, bias, dtype, device)
+            self.q_a_proj = linear(c.hidden_size, c.q_lora_rank, bias, dtype, device, quant("q_a_proj"))
             self.q_a_layernorm = RMSNorm(c.q_lora_rank, c.rms_norm_eps, dtype, device)
-            self.q_b_proj = Linear(c.q_lora_rank, self.heads * c.qk_head_dim, False, dtype, device)
+            self.q_b_proj = linear(
+                c.q_lora_rank, self.heads * c.qk_head_dim, False, dtype, device, quant("q_b_proj")
+            )
         else:
-            self.q_proj = Linear(c.hidden_size, self.heads * c.qk_head_dim, False, dtype, device)
-        self.kv_a_proj_with_mqa = Linear(c.hidden_size, self.latent + self.rope_dim, bias, dtype, device)
+            self.q_proj = linear(
+                c.hidden_size, self.heads * c.qk_head_dim, False, dtype, device, quant("q_proj")
+            )
+        self.kv_a_proj_with_mqa = linear(
+            c.hidden_size, self.latent + self.rope_dim, bias, dtype, device, quant("kv_a_proj_with_mqa")
+        )
         self.kv_a_layernorm = RMSNorm(self.latent, c.rms_norm_eps, dtype, device)
         self.kv_b_proj = Linear(self.latent, self.heads * (self.nope + self.v_dim), False, dtype, device)
-        self.o_proj = Linear(self.heads * self.v_dim, c.hidden_size, bias, dtype, device)
+        if plan is not None and plan.dense is not None and f"{prefix}kv_b_proj.weight" in plan.quantised:
+            plan.note(
+                f"kv_b_proj dequantised to {str(dtype).removeprefix('torch.')} at load (absorbed MLA decode)"
+            )
+        self.o_proj = linear(self.heads * self.v_dim, c.hidden_size, bias, dtype, device, quant("o_proj"))
         self.w_uk: Tensor | None = None  # [H, L, Dn] (per-head linear layout), set by finish_loading
         self.w_uv: Tensor | None = None  # [H, Dv, L]
 

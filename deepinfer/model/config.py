@@ -12,6 +12,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from deepinfer.backends.quant import MX_BLOCK, WeightFormat
+
 SUPPORTED_MODEL_TYPES = ("deepseek_v3", "deepseek_v2")
 _REQUIRED = (
     "vocab_size",
@@ -91,7 +93,10 @@ class ModelConfig(BaseModel):
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     torch_dtype: str | None = None
-    fp8_block_size: tuple[int, int] | None = None
+    # ``quantization_config``: how the checkpoint stores its linear weights (None: not quantised) and
+    # its routed experts (the dense format unless ``expert_dtype`` says otherwise, e.g. V4's mxfp4).
+    weight_format: WeightFormat | None = None
+    expert_weight_format: WeightFormat | None = None
 
     @model_validator(mode="after")
     def _check(self) -> ModelConfig:
@@ -108,6 +113,14 @@ class ModelConfig(BaseModel):
                 )
             if self.topk_method == "noaux_tc" and per_group < 2:
                 raise UnsupportedConfigError("topk_method 'noaux_tc' needs at least 2 experts per group")
+        fmt = self.expert_weight_format
+        if self.n_routed_experts and fmt is not None and fmt.kind == "mxfp4":
+            for key in ("hidden_size", "moe_intermediate_size"):
+                if getattr(self, key) % MX_BLOCK:
+                    raise UnsupportedConfigError(
+                        f"quantization_config.expert_dtype='fp4' needs {key} a multiple of {MX_BLOCK} "
+                        f"(one e8m0 scale per {MX_BLOCK} columns), got {getattr(self, key)}"
+                    )
         if self.layer_types is not None and len(self.layer_types) != self.num_hidden_layers:
             raise UnsupportedConfigError(
                 f"layer_types has {len(self.layer_types)} entries for num_hidden_layers={self.num_hidden_layers}"
@@ -159,25 +172,13 @@ class ModelConfig(BaseModel):
         is_v3 = model_type == "deepseek_v3"
         routed = raw.get("n_routed_experts") or None
         eos = raw.get("eos_token_id")
-        quant = raw.get("quantization_config")
-        fp8_block = None
-        if quant:
-            method = quant.get("quant_method")
-            if method != "fp8":
-                raise UnsupportedConfigError(
-                    f"config.json: quantization_config.quant_method={method!r} is not supported; supported: fp8"
-                )
-            fp8_block = tuple(quant.get("weight_block_size") or (128, 128))
-            if quant.get("fmt", "e4m3") != "e4m3":
-                raise UnsupportedConfigError(
-                    f"config.json: quantization_config.fmt={quant.get('fmt')!r} is not supported; supported: e4m3"
-                )
+        formats = parse_quantization(raw.get("quantization_config"))
         q_lora = raw.get("q_lora_rank") or None
         missing = [k for k in _REQUIRED if k not in raw]
         if missing:
             raise UnsupportedConfigError(f"config.json is missing required keys: {', '.join(missing)}")
         try:
-            return cls._build(raw, model_type, is_v3, q_lora, routed, eos, fp8_block)
+            return cls._build(raw, model_type, is_v3, q_lora, routed, eos, formats)
         except ValidationError as exc:
             problems = "; ".join(
                 f"{'.'.join(map(str, e['loc'])) or 'config'}: {e['msg']}" for e in exc.errors()
@@ -193,7 +194,7 @@ class ModelConfig(BaseModel):
         q_lora: int | None,
         routed: int | None,
         eos: Any,
-        fp8_block: tuple[int, int] | None,
+        formats: tuple[WeightFormat | None, WeightFormat | None],
     ) -> ModelConfig:
         return cls(
             model_type=model_type,
@@ -230,8 +231,55 @@ class ModelConfig(BaseModel):
             bos_token_id=raw.get("bos_token_id"),
             eos_token_ids=tuple(eos if isinstance(eos, list) else [] if eos is None else [eos]),
             torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
-            fp8_block_size=fp8_block,
+            weight_format=formats[0],
+            expert_weight_format=formats[1],
         )
+
+
+def parse_quantization(quant: Any) -> tuple[WeightFormat | None, WeightFormat | None]:
+    """``quantization_config`` -> (dense weight format, routed-expert weight format); (None, None)
+    when the checkpoint is not quantised.
+
+    Accepted: ``quant_method`` "fp8", ``fmt`` "e4m3", ``activation_scheme`` "dynamic" (activations are
+    quantised on the fly, never from stored scales), ``weight_block_size`` [bn, bk] (any positive
+    pair: [128, 128] for V3 to V4, [32, 32] for V4.1), ``scale_fmt`` absent/null (float32 scales) or
+    "ue8m0" (power-of-two scales; activations' scales rounded up to powers of two too), ``expert_dtype``
+    absent/null/"fp8" (experts as the dense weights) or "fp4" (MXFP4 experts: e2m1, one e8m0 scale per
+    1x32). Anything else is an ``UnsupportedConfigError`` naming the field and the accepted values.
+    """
+    if not quant:
+        return None, None
+    if not isinstance(quant, dict):
+        raise UnsupportedConfigError(f"config.json: quantization_config must be an object, got {quant!r}")
+
+    def bad(key: str, accepted: str) -> UnsupportedConfigError:
+        return UnsupportedConfigError(
+            f"config.json: quantization_config.{key}={quant.get(key)!r} is not supported; supported: {accepted}"
+        )
+
+    if quant.get("quant_method") != "fp8":
+        raise bad("quant_method", "fp8 (DeepSeek's block-scaled FP8)")
+    if quant.get("fmt", "e4m3") != "e4m3":
+        raise bad("fmt", "e4m3")
+    if quant.get("activation_scheme", "dynamic") != "dynamic":
+        raise bad("activation_scheme", "dynamic")
+    block = quant.get("weight_block_size")
+    if (
+        not isinstance(block, (list, tuple))
+        or len(block) != 2
+        or not all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)
+    ):
+        raise bad("weight_block_size", "two positive integers [bn, bk], e.g. [128, 128] or [32, 32]")
+    scale_fmt = quant.get("scale_fmt")
+    if scale_fmt not in (None, "ue8m0"):
+        raise bad("scale_fmt", "null (float32 scales) or 'ue8m0'")
+    dense = WeightFormat("fp8", (block[0], block[1]), "ue8m0" if scale_fmt else "f32")
+    expert_dtype = quant.get("expert_dtype")
+    if expert_dtype in (None, "fp8"):
+        return dense, dense
+    if expert_dtype == "fp4":
+        return dense, WeightFormat("mxfp4", (1, MX_BLOCK), "ue8m0")
+    raise bad("expert_dtype", "null or 'fp8' (experts as the dense weights), 'fp4' (MXFP4 experts)")
 
 
 def yarn_mscale(factor: float, mscale: float = 1.0) -> float:

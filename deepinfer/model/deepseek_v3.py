@@ -23,9 +23,10 @@ from deepinfer.backends import ops
 from deepinfer.model.attention import MLAAttention
 from deepinfer.model.attn_metadata import AttentionMetadata
 from deepinfer.model.config import ModelConfig
-from deepinfer.model.layers import MLP, Linear, RMSNorm, empty_param
+from deepinfer.model.layers import MLP, Linear, RMSNorm, empty_param, linear
 from deepinfer.model.moe import MoE
 from deepinfer.model.rope import cos_sin_table
+from deepinfer.model.weight_plan import SCALE_SUFFIX, WeightPlan
 
 if TYPE_CHECKING:
     from deepinfer.parallel.placement import ExpertShard
@@ -41,16 +42,25 @@ class DecoderLayer(nn.Module):
         dtype: torch.dtype,
         device: torch.device | str,
         shard: ExpertShard | None = None,
+        plan: WeightPlan | None = None,
+        fused_experts: bool = False,
     ) -> None:
         super().__init__()
         eps = config.rms_norm_eps
         self.input_layernorm = RMSNorm(config.hidden_size, eps, dtype, device)
-        self.self_attn = MLAAttention(config, layer, dtype, device)
+        self.self_attn = MLAAttention(config, layer, dtype, device, plan)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, dtype, device)
         self.mlp: nn.Module = (
-            MoE(config, dtype, device, layer, shard)
+            MoE(config, dtype, device, layer, shard, plan, fused_experts)
             if config.is_moe_layer(layer)
-            else MLP(config.hidden_size, config.intermediate_size, dtype, device)
+            else MLP(
+                config.hidden_size,
+                config.intermediate_size,
+                dtype,
+                device,
+                plan,
+                f"model.layers.{layer}.mlp.",
+            )
         )
 
     def forward(
@@ -90,14 +100,17 @@ class MTPLayer(nn.Module):
         dtype: torch.dtype,
         device: torch.device | str,
         shard: ExpertShard | None = None,
+        plan: WeightPlan | None = None,
+        fused_experts: bool = False,
     ) -> None:
         super().__init__()
         d, eps = config.hidden_size, config.rms_norm_eps
         self.embed_tokens = empty_param(config.vocab_size, d, dtype=dtype, device=device)
         self.enorm = RMSNorm(d, eps, dtype, device)
         self.hnorm = RMSNorm(d, eps, dtype, device)
-        self.eh_proj = Linear(2 * d, d, False, dtype, device)
-        self.block = DecoderLayer(config, layer, dtype, device, shard)
+        quant = None if plan is None else plan.linear(f"model.layers.{layer}.eh_proj.weight")
+        self.eh_proj = linear(2 * d, d, False, dtype, device, quant)
+        self.block = DecoderLayer(config, layer, dtype, device, shard, plan, fused_experts)
         self.shared_head = SharedHead(config, dtype, device)
 
 
@@ -119,23 +132,37 @@ class DeepseekV3ForCausalLM(nn.Module):
         dtype: torch.dtype,
         device: torch.device | str = "cpu",
         shard: ExpertShard | None = None,
+        plan: WeightPlan | None = None,
+        fused_experts: frozenset[int] = frozenset(),
     ) -> None:
-        """``shard``: this rank's expert placement under expert parallelism (None: every expert local)."""
+        """``shard``: this rank's expert placement under expert parallelism (None: every expert local);
+        ``plan``: which quantised checkpoint weights stay quantised (None: every weight in ``dtype``);
+        ``fused_experts``: layers whose experts the checkpoint stores fused (transformers 5 layout)."""
         super().__init__()
         self.config = config
         self.dtype = dtype
         self.shard = shard
+        self.weight_plan = plan
         c = config
         self.embed_tokens = empty_param(c.vocab_size, c.hidden_size, dtype=dtype, device=device)
         self.layers = nn.ModuleList(
-            DecoderLayer(c, i, dtype, device, shard) for i in range(c.num_hidden_layers)
+            DecoderLayer(c, i, dtype, device, shard, plan, i in fused_experts)
+            for i in range(c.num_hidden_layers)
         )
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype, device)
         self.lm_head = (
             None if c.tie_word_embeddings else Linear(c.hidden_size, c.vocab_size, False, dtype, device)
         )
         self.mtp_layers = nn.ModuleList(
-            MTPLayer(c, c.num_hidden_layers + j, dtype, device, shard)
+            MTPLayer(
+                c,
+                c.num_hidden_layers + j,
+                dtype,
+                device,
+                shard,
+                plan,
+                c.num_hidden_layers + j in fused_experts,
+            )
             for j in range(c.num_nextn_predict_layers)
         )
         self.register_buffer("cos_sin", cos_sin_table(c).to(device), persistent=False)
@@ -200,7 +227,11 @@ class DeepseekV3ForCausalLM(nn.Module):
 
     def checkpoint_targets(self, name: str) -> list[Target] | None:
         """Targets of a checkpoint tensor (DeepSeek's published per-expert layout or transformers 5's
-        fused one), or None when the name is not part of this model."""
+        fused one), or None when the name is not part of this model. A scale (``*_scale_inv``) goes to
+        the ``*_scale`` parameter beside its weight's, its rows in block units; ask only for scales of
+        weights kept quantised (the loader consumes the others while dequantising)."""
+        if name.endswith(SCALE_SUFFIX):
+            return self._scale_targets(name)
         c = self.config
         if name == "model.embed_tokens.weight":
             return [Target("embed_tokens")]
@@ -225,6 +256,34 @@ class DeepseekV3ForCausalLM(nn.Module):
             return None
         return self._layer_targets(prefix, rest, layer)
 
+    def _merged(self, module: str) -> bool:
+        """Whether the MLP at ``module`` holds gate and up as one ``gate_up_proj`` (else two)."""
+        try:
+            mlp = self.get_submodule(module)
+        except AttributeError:
+            return True  # no such MLP: the name is reported as unused by the caller
+        return not isinstance(mlp, MLP) or mlp.merged
+
+    def _scale_targets(self, name: str) -> list[Target] | None:
+        """Targets of a block-scale tensor: its weight's targets moved to the ``*_scale`` parameter,
+        with row ranges in units of the format's block rows (row-aligned by construction)."""
+        targets = self.checkpoint_targets(name.removesuffix(SCALE_SUFFIX))
+        if targets is None:
+            return None
+        out = []
+        for t in targets:
+            owner, _, leaf = t.param.rpartition(".")
+            fmt = getattr(self.get_submodule(owner), "fmt", None)
+            if fmt is None:
+                return None
+            param = f"{owner}.weight_scale" if leaf == "weight" else f"{owner}.{leaf}_scale"
+            rows = fmt.block[0]
+            index = tuple(
+                slice(i.start // rows, -(-i.stop // rows)) if isinstance(i, slice) else i for i in t.index
+            )
+            out.append(Target(param, index, t.source))
+        return out
+
     def _slots_of(self, layer: int, expert: int) -> list[int]:
         """This rank's slots of ``layer`` holding logical ``expert`` (all local without a shard)."""
         if self.shard is None:
@@ -237,11 +296,11 @@ class DeepseekV3ForCausalLM(nn.Module):
         inter = c.moe_intermediate_size if moe else c.intermediate_size
         halves = {"gate_proj": slice(0, inter), "up_proj": slice(inter, 2 * inter)}
         m = re.fullmatch(r"mlp\.(gate_proj|up_proj)\.weight", rest)
-        if m and not moe:
+        if m and not moe and self._merged(prefix + "mlp"):
             return [Target(prefix + "mlp.gate_up_proj.weight", (halves[m.group(1)],))]
         shared_inter = c.moe_intermediate_size * c.n_shared_experts
         m = re.fullmatch(r"mlp\.shared_experts\.(gate_proj|up_proj)\.weight", rest)
-        if m and moe:
+        if m and moe and self._merged(prefix + "mlp.shared_experts"):
             span = (
                 slice(0, shared_inter) if m.group(1) == "gate_proj" else slice(shared_inter, 2 * shared_inter)
             )

@@ -15,8 +15,10 @@ import torch
 from torch import Tensor, nn
 
 from deepinfer.backends import ops
+from deepinfer.backends.quant import WeightFormat
 from deepinfer.model.config import ModelConfig
 from deepinfer.model.layers import MLP, empty_param
+from deepinfer.model.weight_plan import WeightPlan
 
 if TYPE_CHECKING:
     from deepinfer.parallel.placement import ExpertShard
@@ -41,16 +43,54 @@ class Router(nn.Module):
 
 class Experts(nn.Module):
     """Routed expert weights, stacked: w13 [E, 2I, D] (gate rows then up rows), w2 [E, D, I]; under
-    expert parallelism E is this rank's slot count and slot s holds ``shard.local_experts(layer)[s]``."""
+    expert parallelism E is this rank's slot count and slot s holds ``shard.local_experts(layer)[s]``.
+
+    With a ``fmt`` they stay quantised (``deepinfer.backends.quant`` layouts): w13 / w2 hold the
+    values (float8_e4m3fn, or uint8 [.., K / 2] for mxfp4) and w13_scale [E, *fmt.scale_shape(2I, D)]
+    / w2_scale [E, *fmt.scale_shape(D, I)] the checkpoint's ``weight_scale_inv`` (float32 for fp8,
+    uint8 e8m0 exponents for mxfp4); ``ops.fused_moe_quant`` computes them.
+    """
 
     def __init__(
-        self, config: ModelConfig, dtype: torch.dtype, device: torch.device | str, slots: int | None = None
+        self,
+        config: ModelConfig,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        slots: int | None = None,
+        fmt: WeightFormat | None = None,
     ) -> None:
         super().__init__()
         e = (config.n_routed_experts or 0) if slots is None else slots
         i, d = config.moe_intermediate_size, config.hidden_size
-        self.w13 = empty_param(e, 2 * i, d, dtype=dtype, device=device)
-        self.w2 = empty_param(e, d, i, dtype=dtype, device=device)
+        self.fmt = fmt
+        self.w13_scale: nn.Parameter | None = None
+        self.w2_scale: nn.Parameter | None = None
+        if fmt is None:
+            self.w13 = empty_param(e, 2 * i, d, dtype=dtype, device=device)
+            self.w2 = empty_param(e, d, i, dtype=dtype, device=device)
+            return
+        vd, sd = fmt.values_dtype, fmt.scale_dtype
+        self.w13 = empty_param(e, *fmt.values_shape(2 * i, d), dtype=vd, device=device)
+        self.w13_scale = empty_param(e, *fmt.scale_shape(2 * i, d), dtype=sd, device=device)
+        self.w2 = empty_param(e, *fmt.values_shape(d, i), dtype=vd, device=device)
+        self.w2_scale = empty_param(e, *fmt.scale_shape(d, i), dtype=sd, device=device)
+
+    def slot_tensors(self) -> tuple[nn.Parameter, ...]:
+        """Every parameter indexed by slot on its first dimension (what moving an expert moves)."""
+        extra = () if self.fmt is None else (self.w13_scale, self.w2_scale)
+        return (self.w13, self.w2, *extra)  # type: ignore[return-value]
+
+    def slot_bytes(self) -> int:
+        """Bytes one slot's weights take as held (values plus scales)."""
+        return sum(t[0].numel() * t.element_size() for t in self.slot_tensors())
+
+    def forward(self, hidden: Tensor, topk_weights: Tensor, topk_ids: Tensor) -> Tensor:
+        """``fused_moe`` over these experts (``fused_moe_quant`` when they are quantised)."""
+        if self.fmt is None:
+            return ops.fused_moe(hidden, self.w13, self.w2, topk_weights, topk_ids)
+        return ops.fused_moe_quant(
+            hidden, self.w13, self.w13_scale, self.w2, self.w2_scale, self.fmt, topk_weights, topk_ids
+        )
 
 
 class MoE(nn.Module):
@@ -61,20 +101,32 @@ class MoE(nn.Module):
         device: torch.device | str,
         layer: int = 0,
         shard: ExpertShard | None = None,
+        plan: WeightPlan | None = None,
+        fused_experts: bool = False,
     ) -> None:
+        """``plan``: what stays quantised (None: everything in ``dtype``); ``fused_experts``: the
+        checkpoint stores this layer's experts fused (transformers 5 layout), not per expert."""
         super().__init__()
         c = config
         self.layer, self.shard = layer, shard
         self.num_experts = c.n_routed_experts or 0
         self.gate = Router(c, device)
-        self.experts = Experts(c, dtype, device, None if shard is None else shard.slots_per_rank)
+        fmt = None if plan is None else plan.expert_format(layer, c.moe_intermediate_size, fused_experts)
+        self.experts = Experts(c, dtype, device, None if shard is None else shard.slots_per_rank, fmt)
         # Set by the data-parallel rank: expert-load recorder (EPLB) and the debug collective trace.
         self.load_recorder: Any | None = None
         self.trace: list[str] | None = None
         if shard is not None:
             self.set_placement(*shard.log2phy(layer))
         self.shared_experts = (
-            MLP(c.hidden_size, c.moe_intermediate_size * c.n_shared_experts, dtype, device)
+            MLP(
+                c.hidden_size,
+                c.moe_intermediate_size * c.n_shared_experts,
+                dtype,
+                device,
+                plan,
+                f"model.layers.{layer}.mlp.shared_experts.",
+            )
             if c.n_shared_experts
             else None
         )
@@ -115,7 +167,7 @@ class MoE(nn.Module):
 
     def _routed(self, x: Tensor, weights: Tensor, ids: Tensor) -> Tensor:
         if self.shard is None:
-            return ops.fused_moe(x, self.experts.w13, self.experts.w2, weights, ids)
+            return self.experts(x, weights, ids)
         group = self.shard.group
         if self.trace is not None:
             self.trace.append(f"ep_dispatch+combine:{self.layer}")
@@ -123,10 +175,8 @@ class MoE(nn.Module):
         received = sent.hidden.shape[0]
         if self.load_recorder is not None:
             self.load_recorder.record_received(self.layer, received)
-        local = ops.fused_moe(
+        local = self.experts(
             sent.hidden,
-            self.experts.w13,
-            self.experts.w2,
             torch.ones(received, 1, dtype=torch.float32, device=x.device),  # ep_combine applies weights
             sent.local_expert_ids[:, None],
         )

@@ -252,10 +252,7 @@ class DataParallelRank:
         load = self.recorder.window_load().to(self._device)
         dist.all_reduce(load, group=self.group)
         any_moe = next(iter(self.moes.values()))
-        bytes_per_slot = (
-            any_moe.experts.w13[0].numel() * any_moe.experts.w13.element_size()
-            + any_moe.experts.w2[0].numel() * any_moe.experts.w2.element_size()
-        )
+        bytes_per_slot = any_moe.experts.slot_bytes()  # values plus scales, as held
         decision = rearrange.plan(
             load.cpu(),
             self.shard,

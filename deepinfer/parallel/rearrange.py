@@ -89,16 +89,20 @@ def apply(moes: dict[int, MoE], shard: ExpertShard, phy2log: Tensor) -> None:
         if moe is None:  # a layer this model does not hold (no MTP weights): placement only
             shard.phy2log[row] = phy2log[row]
             continue
-        weights = (moe.experts.w13, moe.experts.w2)
+        weights = moe.experts.slot_tensors()  # w13, w2 and, when quantised, their scales
         fresh = [w.data.clone() for w in weights]
         pending = []
         for src, src_slot, dst, dst_slot in _transfers(old, new, s):
-            tag = (row * shard.num_slots + dst * s + dst_slot) * 2
+            tag = (row * shard.num_slots + dst * s + dst_slot) * len(weights)
             for k, w in enumerate(weights):
                 if src == me:
-                    pending.append(dist.isend(w.data[src_slot].contiguous(), dst, shard.group, tag + k))
+                    # as bytes: exact for every dtype, FP8 included (which collectives may not know)
+                    payload = w.data[src_slot].contiguous().view(torch.uint8)
+                    pending.append(dist.isend(payload, dst, shard.group, tag + k))
                 if dst == me:
-                    pending.append(dist.irecv(fresh[k][dst_slot], src, shard.group, tag + k))
+                    pending.append(
+                        dist.irecv(fresh[k][dst_slot].view(torch.uint8), src, shard.group, tag + k)
+                    )
         mine = old[me * s : (me + 1) * s]
         for local in range(s):
             expert = new[me * s + local]

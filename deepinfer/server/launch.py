@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 from deepinfer import envs
+from deepinfer.cli import add_weights_argument
 from deepinfer.config import EngineConfig
 from deepinfer.server.config import ServerConfig
 from deepinfer.web.auth import load_cluster_secret
@@ -121,6 +122,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"], help="weights' dtype"
     )
+    add_weights_argument(parser)
     parser.add_argument(
         "--kv-cache-memory-gib",
         type=float,
@@ -195,6 +197,7 @@ def engine_config(args: argparse.Namespace, model: Path) -> EngineConfig:
         "max_model_len": args.max_model_len,
         "max_num_seqs": args.max_num_seqs,
         "dtype": args.dtype,
+        "weights": args.weights,
         "accelerator": args.accelerator,
         "kv_cache_memory_gib": args.kv_cache_memory_gib,
         "max_num_batched_tokens": args.max_num_batched_tokens,

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from deepinfer.model.fp8 import quantize_block_fp8
+from deepinfer.backends.quant import WeightFormat, dequantize, quantize_weight
 from deepinfer.model.layouts import to_published_layout
 
 BASE: dict[str, Any] = dict(
@@ -82,7 +82,7 @@ def rewrite_deepseek_layout(
         for name in [n for n in out if n.endswith(".weight") and out[n].dim() == 2]:
             if any(s in name for s in FP8_SKIP):
                 continue
-            q, scale = quantize_block_fp8(out[name], (block, block))
+            q, scale = quantize_weight(out[name], WeightFormat("fp8", (block, block)))
             out[name], out[name.removesuffix("weight") + "weight_scale_inv"] = q, scale
     names = sorted(out)
     weight_map = {}
@@ -102,8 +102,6 @@ def rewrite_deepseek_layout(
 
 def dequantized_copy(fp8_dir: Path, dst: Path) -> None:
     """The FP8 checkpoint's own dequantised reference: same tensors, FP8 weights * scales in float32."""
-    from deepinfer.model.fp8 import dequantize_block_fp8
-
     dst.mkdir(parents=True, exist_ok=True)
     raw = json.loads((fp8_dir / "config.json").read_text())
     block = tuple(raw.pop("quantization_config")["weight_block_size"])
@@ -115,7 +113,7 @@ def dequantized_copy(fp8_dir: Path, dst: Path) -> None:
         if name.endswith("weight_scale_inv"):
             continue
         scale = tensors.get(name.removesuffix("weight") + "weight_scale_inv")
-        out[name] = dequantize_block_fp8(t, scale, block) if scale is not None else t
+        out[name] = dequantize(t, scale, WeightFormat("fp8", block)) if scale is not None else t
     save_file(out, dst / "model.safetensors")
     (dst / "config.json").write_text(json.dumps(raw, indent=2))
 
