@@ -5,11 +5,16 @@ written) and the dense bf16 matmul rate; runs the conformance suite (bfloat16); 
 DeepSeek-V3 decode and prefill shapes and reports the bandwidth or FLOP rate it achieves as a fraction
 of the measured ceiling, as a table and as JSON. About four minutes on an H200, well under six.
 
-    python bench/device_nvidia.py [--out bench/results/device_nvidia.json] [--skip-conformance]
+    python bench/device_nvidia.py [--out bench/results/device_nvidia.json] [--skip-conformance] [--quant-only]
 
 Targets reported: mla_decode >= 60% of copy bandwidth (batch 64, context 4096, 128 heads, 512 + 64);
 fused_moe >= 40% of the dense bf16 matmul rate (4096 tokens, 256 experts, top-8, 7168 / 2048);
-sampling < 5% of a decode step, the step being bounded below by 61 layers of mla_decode at that batch.
+sampling < 5% of a decode step, the step being bounded below by 61 layers of mla_decode at that batch;
+the block-scaled W8A8 Triton GEMM (M=4096, N=K=7168, 128x128 blocks) >= 60% of the chip's FP8 dense
+peak (datasheet, by device name; the measured ``torch._scaled_mm`` rate is recorded beside it). The
+quantised-weight ops (issue 29) are also timed at V3 shapes: quant_fp8_group, fp8_linear (W8A16) and
+fp8_linear_w8a8 (DeepGEMM when installed), fused_moe_quant with FP8 and with MXFP4 experts;
+``--quant-only`` runs just those (about a minute).
 Timing: torch.cuda.Event around each call, after warm-up, median of the repetitions.
 """
 
@@ -43,6 +48,19 @@ BF16 = 2
 MLA_DECODE_TARGET = 0.60  # of copy bandwidth
 FUSED_MOE_TARGET = 0.40  # of dense bf16 matmul rate
 SAMPLING_TARGET = 0.05  # of a decode step
+W8A8_TARGET = 0.60  # of the FP8 dense peak
+
+# FP8 dense tensor-core peak (no sparsity), NVIDIA datasheets, by a fragment of the device name (first
+# match wins: the PCIe part before the generic name).
+FP8_DENSE_PEAK_FLOPS = (
+    ("H100 PCIe", 1513e12),
+    ("H100", 1979e12),  # SXM ("NVIDIA H100 80GB HBM3")
+    ("H200", 1979e12),
+    ("H800", 1979e12),
+    ("L40S", 733e12),
+    ("L4", 242e12),
+    ("B200", 4500e12),
+)
 
 
 # ------------------------------------------------------------------------------------- roofline
@@ -94,6 +112,47 @@ def fused_moe_cost(tokens: int, experts_touched: int, elem: int = BF16) -> Cost:
 def streaming_cost(bytes_moved: float) -> Cost:
     """An elementwise or row-wise op: judged by the bytes it reads and writes."""
     return Cost(bytes_moved, 0.0, "memory")
+
+
+def fp8_dense_peak(device_name: str) -> float | None:
+    """The FP8 dense peak FLOP/s of a device by its name, or None for a device not in the table."""
+    for fragment, peak in FP8_DENSE_PEAK_FLOPS:
+        if fragment in device_name:
+            return peak
+    return None
+
+
+def w8a8_gemm_cost(m: int, n: int, k: int, block: int = 128) -> Cost:
+    """Block-scaled FP8 GEMM: FP8 operands and float32 scales read once, a bf16 [m, n] written."""
+    blocks_k = -(-k // block)
+    scales = 4 * (m * blocks_k + -(-n // block) * blocks_k)
+    return Cost(m * k + n * k + scales + m * n * BF16, 2.0 * m * n * k, "compute")
+
+
+def fused_moe_quant_cost(tokens: int, experts_touched: int, weight_bits: float) -> Cost:
+    """``fused_moe_cost`` with expert weights of ``weight_bits`` bits (scales included: 8.0 + 32 / 128^2
+    for FP8 128x128 blocks, 4 + 8 / 32 for MXFP4); activations bf16."""
+    bf16 = fused_moe_cost(tokens, experts_touched)
+    weights = experts_touched * 3 * HIDDEN * EXPERT_INTER * weight_bits / 8
+    bf16_weights = experts_touched * 3 * HIDDEN * EXPERT_INTER * BF16
+    return Cost(bf16.bytes - bf16_weights + weights, bf16.flops, bf16.bound)
+
+
+def quant_targets(
+    results: dict[str, OpResult], fp8_peak: float | None, fp8_measured: float | None
+) -> list[Target]:
+    """The W8A8 goal: the Triton kernel's rate over the datasheet FP8 peak (over the measured
+    ``torch._scaled_mm`` rate when the device is not in the table; none when neither is known)."""
+    gemm = results.get("fp8_linear_w8a8_triton")
+    if gemm is None:
+        return []
+    if fp8_peak is not None:
+        return [Target("fp8_linear_w8a8_triton fraction of FP8 dense peak", gemm.tflop_per_s * 1e12 / fp8_peak,
+                       W8A8_TARGET, at_least=True)]  # fmt: skip
+    if fp8_measured is not None:
+        return [Target("fp8_linear_w8a8_triton fraction of measured FP8 matmul rate",
+                       gemm.tflop_per_s * 1e12 / fp8_measured, W8A8_TARGET, at_least=True)]  # fmt: skip
+    return []
 
 
 def fraction_of_ceiling(cost: Cost, seconds: float, ceilings: Ceilings) -> float:
@@ -376,6 +435,120 @@ def bench_ops(ops: Any, ceilings: Ceilings, reps: int) -> list[OpResult]:
     return results
 
 
+def _fp8_matmul_flops(n: int, reps: int) -> float | None:
+    """The rate of ``torch._scaled_mm`` on n^3 FP8 operands (per-tensor scales, bf16 out), or None when
+    this torch/GPU has no FP8 matmul."""
+    import torch
+
+    a = torch.randn(n, n, device="cuda").to(torch.float8_e4m3fn)
+    b = torch.randn(n, n, device="cuda").to(torch.float8_e4m3fn)
+    one = torch.ones((), device="cuda")
+    try:
+        ms = median_ms(lambda: torch._scaled_mm(a, b.t(), one, one, out_dtype=torch.bfloat16), 3, reps)
+    except (RuntimeError, TypeError) as error:
+        print(f"torch._scaled_mm unavailable: {error}", flush=True)
+        return None
+    return 2.0 * n**3 / (ms * 1e-3)
+
+
+def _random_fp8(shape: tuple[int, ...], scale: float, chunk: int = 16) -> Any:
+    """Random e4m3 values of roughly N(0, scale^2), written in chunks of the first dimension (the
+    float temporaries of a whole V3 expert stack would take tens of GB)."""
+    import torch
+
+    out = torch.empty(shape, dtype=torch.float8_e4m3fn, device="cuda")
+    for i in range(0, shape[0], chunk):
+        part = out[i : i + chunk]
+        part.copy_(
+            (torch.randn(part.shape, dtype=torch.bfloat16, device="cuda") * scale).to(torch.float8_e4m3fn)
+        )
+    return out
+
+
+def _expert_pair(kind: str, n: int, k: int) -> tuple[Any, Any, Any]:
+    """A V3-sized expert stack [EXPERTS, n, k] as (values, scale, WeightFormat): FP8 128x128 with float32
+    scales, or MXFP4 (random nibbles, e8m0 exponents 2^-8 .. 2^-5)."""
+    import torch
+
+    from deepinfer.backends.quant import WeightFormat
+
+    if kind == "fp8":
+        fmt = WeightFormat("fp8", (128, 128))
+        values = _random_fp8((EXPERTS, n, k), 64.0)
+        scale = torch.rand(EXPERTS, *fmt.scale_shape(n, k), device="cuda") * 1e-3 + 5e-4
+        return values, scale, fmt
+    fmt = WeightFormat("mxfp4", (1, 32), "ue8m0")
+    values = torch.randint(0, 256, (EXPERTS, n, k // 2), dtype=torch.uint8, device="cuda")
+    scale = torch.randint(119, 123, (EXPERTS, n, k // 32), dtype=torch.uint8, device="cuda")
+    return values, scale, fmt
+
+
+def _bench_quant_dense(ops: Any, run: Runner, tokens: int) -> str:
+    """quant_fp8_group, W8A8 (the op, then the Triton kernel itself) and W8A16 at N = K = 7168; returns
+    what the W8A8 op ran (DeepGEMM or Triton)."""
+    import torch
+
+    from deepinfer.ops_cuda import quant_linear
+
+    n = k = HIDDEN
+    block = (128, 128)
+    weight = _random_fp8((n, k), 64.0)
+    scale = torch.rand(n // 128, k // 128, device="cuda") * 1e-3 + 5e-4
+    x = torch.randn(tokens, k, dtype=torch.bfloat16, device="cuda")
+    run("quant_fp8_group", f"T={tokens} K={k} group 128 ue8m0", streaming_cost(tokens * k * 3 + tokens * k // 128 * 4),
+        lambda: ops.quant_fp8_group(x, 128, True))  # fmt: skip
+    xq, xs = ops.quant_fp8_group(x, 128, True)
+    capability = torch.cuda.get_device_capability(0)
+    deep_gemm = quant_linear.deep_gemm_module() is not None and quant_linear.deep_gemm_applies(
+        capability, block, torch.bfloat16, n, k
+    )
+    run("fp8_linear_w8a8", f"M={tokens} N=K={k} 128x128 ({'DeepGEMM' if deep_gemm else 'Triton'})",
+        w8a8_gemm_cost(tokens, n, k), lambda: ops.fp8_linear_w8a8(xq, xs, weight, scale, block, None, torch.bfloat16))  # fmt: skip
+    run("fp8_linear_w8a8_triton", f"M={tokens} N=K={k} 128x128 Triton", w8a8_gemm_cost(tokens, n, k),
+        lambda: quant_linear.launch_block_scaled_gemm(xq, xs, weight, scale, block, None, torch.bfloat16,
+                                                      quant_linear.fp8_dot_supported(x.device)))  # fmt: skip
+    w8a16 = w8a8_gemm_cost(tokens, n, k)
+    run("fp8_linear", f"M={tokens} N=K={k} 128x128 W8A16 bf16",
+        Cost(w8a16.bytes + tokens * k, w8a16.flops, "compute"), lambda: ops.fp8_linear(x, weight, scale, block, None))  # fmt: skip
+    decode = x[:64]
+    run("fp8_linear_decode", f"M=64 N=K={k} 128x128 W8A16 bf16",
+        Cost(n * k + 64 * (k + n) * BF16, 2.0 * 64 * n * k, "memory"), lambda: ops.fp8_linear(decode, weight, scale, block, None))  # fmt: skip
+    return "DeepGEMM" if deep_gemm else "Triton"
+
+
+def bench_quant(
+    ops: Any, ceilings: Ceilings, reps: int, tokens: int = 4096
+) -> tuple[list[OpResult], dict[str, Any]]:
+    """The quantised-weight ops at DeepSeek-V3 shapes; returns the results and what the W8A8 op ran
+    (DeepGEMM or Triton)."""
+    import torch
+
+    results: list[OpResult] = []
+
+    def run(name: str, shape: str, cost: Cost, fn: Callable[[], Any], reps: int = reps) -> None:
+        results.append(measure(name, shape, median_ms(fn, 2, reps), cost, ceilings))
+        print(f"  {name} [{shape}]: {results[-1].ms:.4f} ms", flush=True)
+
+    backend = _bench_quant_dense(ops, run, tokens)
+    bias = torch.randn(EXPERTS, device="cuda") * 0.01
+    route_args = (TOP_K, N_GROUP, TOPK_GROUP, "sigmoid", "noaux_tc", True, 2.5)
+    logits = torch.randn(tokens, EXPERTS, device="cuda")
+    for kind, bits in (("fp8", 8.0 + 32 / 128**2), ("mxfp4", 4.0 + 8 / 32)):
+        w13, s13, fmt = _expert_pair(kind, 2 * EXPERT_INTER, HIDDEN)
+        w2, s2, _ = _expert_pair(kind, HIDDEN, EXPERT_INTER)
+        for batch, name in ((tokens, f"fused_moe_{kind}"), (64, f"fused_moe_{kind}_decode")):
+            weights, ids = ops.moe_route(logits[:batch], bias, *route_args)
+            touched = int(torch.unique(ids).numel())
+            hidden = torch.randn(batch, HIDDEN, dtype=torch.bfloat16, device="cuda")
+            run(name, f"T={batch} E=256 top8 {HIDDEN}/{EXPERT_INTER} {fmt.name} ({touched} experts)",
+                fused_moe_quant_cost(batch, touched, bits),
+                lambda hidden=hidden, weights=weights, ids=ids, w13=w13, s13=s13, w2=w2, s2=s2, fmt=fmt: (
+                    ops.fused_moe_quant(hidden, w13, s13, w2, s2, fmt, weights, ids)),
+                reps=max(3, reps // 2))  # fmt: skip
+        del w13, s13, w2, s2
+    return results, {"fp8_linear_w8a8_backend": backend}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"JSON output (default {DEFAULT_OUT})")
@@ -384,6 +557,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--conformance-full", action="store_true",
                         help="conformance MoE cases at the real V3 sizes (slow: ~45 GB of CPU reference weights)")  # fmt: skip
     parser.add_argument("--conformance-timeout", type=int, default=180, help="seconds")
+    parser.add_argument("--quant-only", action="store_true",
+                        help="only the quantised-weight ops (no conformance, no other op)")  # fmt: skip
     args = parser.parse_args(argv)
 
     import torch
@@ -407,12 +582,19 @@ def main(argv: list[str] | None = None) -> int:
     print(f"ceilings: copy {ceilings.copy_bytes_per_s / 1e12:.2f} TB/s, bf16 matmul "
           f"{ceilings.matmul_flops_per_s / 1e12:.0f} TFLOP/s", flush=True)  # fmt: skip
     conformance: dict[str, Any] = {"skipped": True}
-    if not args.skip_conformance:
+    if not args.skip_conformance and not args.quant_only:
         conformance = run_conformance(args.conformance_full, args.conformance_timeout)
         print(f"conformance: {conformance}", flush=True)
     ops = load_backend("deepinfer.ops_cuda")
-    results = bench_ops(ops, ceilings, args.reps)
-    goals = targets({r.name: r for r in results}, ceilings)
+    results = [] if args.quant_only else bench_ops(ops, ceilings, args.reps)
+    goals = [] if args.quant_only else targets({r.name: r for r in results}, ceilings)
+    fp8_peak = fp8_dense_peak(device)
+    fp8_measured = _fp8_matmul_flops(8192, args.reps)
+    print(f"FP8 dense peak {'unknown' if fp8_peak is None else f'{fp8_peak / 1e12:.0f} TFLOP/s (datasheet)'}, "
+          f"torch._scaled_mm {'n/a' if fp8_measured is None else f'{fp8_measured / 1e12:.0f} TFLOP/s'}", flush=True)  # fmt: skip
+    quant_results, quant_info = bench_quant(ops, ceilings, args.reps)
+    results += quant_results
+    goals += quant_targets({r.name: r for r in quant_results}, fp8_peak, fp8_measured)
     print(format_table(results, goals))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(
@@ -423,6 +605,9 @@ def main(argv: list[str] | None = None) -> int:
                 "torch": torch.__version__,
                 "triton": triton.__version__,
                 "ceilings": asdict(ceilings),
+                "fp8_dense_peak_flops_per_s": fp8_peak,
+                "fp8_scaled_mm_flops_per_s": fp8_measured,
+                **quant_info,
                 "conformance": conformance,
                 "ops": [{**asdict(r), "cost": asdict(r.cost)} for r in results],
                 "targets": [{**asdict(g), "met": g.met} for g in goals],
