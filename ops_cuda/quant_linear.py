@@ -72,13 +72,16 @@ def gemm_config(
     m: int, block_k_scale: int, operand_bytes: int, device: torch.device, block_m: int = 0
 ) -> GemmConfig:
     """Tiles for an [m, K] x [N, K]^T block-scaled GEMM: BLOCK_K divides the scale block (at most 128),
-    BLOCK_M follows the row count (16 at decode, 128 for prefill) unless ``block_m`` fixes it."""
+    BLOCK_M and BLOCK_N follow the row count (16 x 64 at decode, 128 x 128 for prefill) unless
+    ``block_m`` fixes the tile (then BLOCK_N is 128 whatever the row count)."""
     block_k = 16  # tl.dot needs K >= 16: a smaller scale block is masked inside the tile
     while block_k * 2 <= min(128, block_k_scale) and block_k_scale % (block_k * 2) == 0:
         block_k *= 2
-    if not block_m:
+    if block_m:  # a fixed tile (deterministic mode): nothing may follow the row count
+        block_n = 128
+    else:
         block_m = 16 if m <= 16 else 32 if m <= 32 else 64 if m <= 64 else 128
-    block_n = 64 if m <= 16 else 128
+        block_n = 64 if m <= 16 else 128
     stage = (block_m + block_n) * block_k * operand_bytes
     stages = pipeline_stages(device_limits(device), stage, reserved=block_m * block_n * 4, most=4)
     warps = 8 if block_m * block_n >= 128 * 128 else 4

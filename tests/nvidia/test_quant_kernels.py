@@ -446,3 +446,12 @@ def test_expert_misuse_is_a_clear_error(cuda_ops) -> None:
     with pytest.raises(ValueError, match="topk"):
         cuda_ops.fused_moe_quant(hidden, w13, s13, w2, s2, fmt, weights[:, :1], ids)
     assert math.isfinite(float(cuda_ops.fused_moe_quant(hidden, w13, s13, w2, s2, fmt, weights, ids).sum()))
+
+
+def test_the_invariant_tile_does_not_follow_the_row_count() -> None:
+    fixed = {
+        quant_linear.gemm_config(m, 128, 1, DEVICE, block_m=quant_linear.INVARIANT_BLOCK_M)
+        for m in (1, 7, 4096)
+    }
+    assert len(fixed) == 1
+    assert len({quant_linear.gemm_config(m, 128, 1, DEVICE) for m in (1, 4096)}) == 2
