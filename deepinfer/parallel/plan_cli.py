@@ -9,9 +9,18 @@ import json
 
 
 def add_memory_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", required=True, help="config.json, or a model folder holding one")
+    from deepinfer.model_zoo import model_argument
+
+    parser.add_argument(
+        "--model", required=True, type=model_argument,
+        help="config.json, a model folder holding one, or a bundled model's name",
+    )  # fmt: skip
     parser.add_argument("--ep", type=int, nargs="+", default=[8, 16, 32, 64], help="expert-parallel sizes")
-    parser.add_argument("--weights", choices=["fp8", "bf16"], default="fp8", help="weight format held")
+    parser.add_argument(
+        "--weights", choices=["as-stored", "fp8", "bf16", "fp32"], default="as-stored",
+        help="weights held as the checkpoint stores them (FP8 / MXFP4 values plus scales), as DeepSeek's "
+        "FP8 (128x128 blocks), or dequantised to bf16 / fp32",
+    )  # fmt: skip
     parser.add_argument("--redundant-experts", type=int, default=0, help="extra expert slots per layer")
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192, help="tokens of one step")
     parser.add_argument("--max-num-seqs", type=int, default=256, help="sampled rows of one step")
