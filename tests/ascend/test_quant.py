@@ -15,7 +15,10 @@ import torch
 
 from deepinfer.backends.quant import WeightFormat, dequantize, quantize_weight, unpack_e2m1
 from deepinfer.backends.registry import OpTable, load_backend
+from deepinfer.platform.interface import DeviceGraph
 from tests.ascend import emulation
+from tests.ascend.conftest import ON_ASCEND
+from tests.ascend.test_conformance_emulated import run_suite
 
 A2, A3, A5_PR, A5_DT = "Ascend910B3", "Ascend910_9382", "Ascend950PR", "Ascend950DT"
 FP8_128_F32 = WeightFormat("fp8", (128, 128), "f32")
@@ -417,6 +420,67 @@ def test_fused_moe_quant_matches_the_reference(
     close(ascend_ops.fused_moe_quant(*args), reference.fused_moe_quant(*args), dtype)
 
 
+# ------------------------------------------------------------------------------------------- graphs
+
+
+def graph_cases(
+    reference: OpTable,
+) -> dict[str, tuple[str, Callable[[OpTable, list[torch.Tensor]], torch.Tensor], list[torch.Tensor]]]:
+    values, scale = weight(FP8_128_F32, 200, 300)
+    mx_values, mx_scale = weight(FP8_32_UE8M0, 70, 90)
+    w13, w13_scale = expert_weights(MXFP4, 4, 64, 96, seed=6)
+    w2, w2_scale = expert_weights(MXFP4, 4, 96, 32, seed=7)
+    x_values, x_scale = reference.quant_fp8_group(torch.randn(4, 90), 32, True)
+    ids = torch.tensor([[0, 3], [2, -1], [1, 2]], dtype=torch.int32)
+    return {
+        "fp8_linear-A2": (
+            A2,
+            lambda ops, a: ops.fp8_linear(a[0], values, scale, (128, 128), None),
+            [torch.randn(3, 300).bfloat16()],
+        ),
+        "act-quant-950": (
+            A5_PR,
+            lambda ops, a: ops.quant_fp8_group(a[0], 128, True)[0].float(),
+            [torch.randn(3, 300).bfloat16()],
+        ),
+        "w8a8-mx-950": (
+            A5_PR,
+            lambda ops, a: ops.fp8_linear_w8a8(
+                a[0], a[1], mx_values, mx_scale, (32, 32), None, torch.float32
+            ),
+            [x_values, x_scale],
+        ),
+        "moe-mxfp4-A3": (
+            A3,
+            lambda ops, a: ops.fused_moe_quant(a[0], w13, w13_scale, w2, w2_scale, MXFP4, a[1], ids),
+            [torch.randn(3, 96).bfloat16(), torch.rand(3, 2)],
+        ),
+    }
+
+
+@pytest.mark.parametrize("case", ["fp8_linear-A2", "act-quant-950", "w8a8-mx-950", "moe-mxfp4-A3"])
+def test_the_quantised_ops_capture_and_replay(
+    ascend_ops: OpTable, reference: OpTable, device: Callable[[str], None], calls: dict, case: str
+) -> None:
+    """Captured after the warm-up run (no host reads while capturing: the emulation raises on one),
+    a graph replays with new inputs to the eager result; the 950's MX path stays in the graph."""
+    chip, fn, inputs = graph_cases(reference)[case]
+    device(chip)
+    graph = DeviceGraph(torch.npu, torch.npu.NPUGraph)
+    out = graph.capture(lambda: fn(ascend_ops, inputs))
+    g = torch.Generator().manual_seed(8)
+    first = inputs[0]
+    if first.dtype == torch.float8_e4m3fn:  # new activations: the rows reversed (scales alike)
+        for t in inputs:
+            t.copy_(t.flip(0))
+    else:
+        first.copy_(torch.randn(first.shape, generator=g).to(first.dtype))
+    graph.replay()
+    assert torch.equal(out, fn(ascend_ops, inputs))
+    if case == "w8a8-mx-950":
+        assert len(calls["npu_quant_matmul"]) == 3  # warm-up, capture and the eager check: all MX mode
+
+
 # ------------------------------------------------------------------------------------------- deterministic mode
 
 
@@ -496,3 +560,18 @@ def test_misuse_is_caught(ascend_ops: OpTable, reference: OpTable, device: Calla
     for call, message in cases:
         with pytest.raises(ValueError, match=message):
             call()
+
+
+# ------------------------------------------------------------------------------------------- conformance suite
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(ON_ASCEND, reason="on an NPU, ci/ascend.sh runs the suite on the device")
+@pytest.mark.parametrize("chip", [A2, A5_PR])
+def test_the_conformance_suite_quant_checks_pass_per_chip(chip: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The backend suite's quantised-weight checks on the emulated A2 (dequantise paths) and 950
+    (npu_quant_matmul / npu_dynamic_mx_quant paths)."""
+    monkeypatch.setenv("DEEPINFER_EMULATED_NPU", chip)
+    proc = run_suite("bfloat16,float16,float32", "-k", "quant or fp8")
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    assert " passed" in proc.stdout and "failed" not in proc.stdout
