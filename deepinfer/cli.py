@@ -15,6 +15,7 @@ from pathlib import Path
 
 from deepinfer import __version__
 from deepinfer.malloc_tuning import reexec_with_malloc_tuning
+from deepinfer.model_zoo import model_argument
 
 
 class HelpFormatter(argparse.HelpFormatter):
@@ -61,8 +62,10 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("prompts", nargs="*", help="prompts to complete ('-' reads one prompt from stdin)")
     parser.add_argument("--file", help="read prompts from a file, one per line")
     parser.add_argument(
-        "--model", help="Hugging Face model folder (default: the bundled deepinfer-tiny-coder)"
-    )
+        "--model", type=model_argument,
+        help="Hugging Face model folder, or a bundled model's name: deepinfer-tiny-coder (the default), "
+        "deepinfer-tiny-coder-fp8",
+    )  # fmt: skip
     parser.add_argument("--max-tokens", type=int, default=128, help="tokens to generate per prompt")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     parser.add_argument(
@@ -215,7 +218,10 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
         ),
     ):
         p = sub.add_parser(name, help=text)
-        p.add_argument("--model", help="model folder (default: the bundled deepinfer-tiny-coder)")
+        p.add_argument(
+            "--model", type=model_argument,
+            help="model folder or bundled model name (default: the bundled deepinfer-tiny-coder)",
+        )  # fmt: skip
         p.add_argument("--num-requests", type=int, default=64)
         p.add_argument("--input-len-range", type=int, nargs=2, default=[64, 1024], metavar=("MIN", "MAX"))
         p.add_argument("--output-len", type=int, default=128)

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 from deepinfer.config import EngineConfig
 from deepinfer.logger import get_logger
-from deepinfer.model_zoo import default_model_path
+from deepinfer.model_zoo import resolve_model
 from deepinfer.outputs import RequestOutput
 from deepinfer.sampling_params import SamplingParams
 from deepinfer.text_input import require_valid_text
@@ -30,7 +30,8 @@ OFFLINE_MAX_NUM_BATCHED_TOKENS = 8192
 class LLM:
     """Generate completions for batches of prompts.
 
-    ``model`` is a Hugging Face model folder (default: the model shipped with deepinfer); any other
+    ``model`` is a Hugging Face model folder or a bundled model's name (``deepinfer-tiny-coder``, the
+    default, or ``deepinfer-tiny-coder-fp8``: :mod:`deepinfer.model_zoo`); any other
     keyword is an ``EngineConfig`` field (``dtype``, ``weights``, ``max_model_len``,
     ``enable_prefix_caching`` ...); ``weights="as-stored"`` (default) keeps a quantised checkpoint's
     FP8 / MXFP4 weights in low precision where the backend has kernels for them, ``"bf16"`` /
@@ -46,7 +47,7 @@ class LLM:
 
     def __init__(self, model: str | None = None, **engine_options: Any) -> None:
         engine_options.setdefault("max_num_batched_tokens", OFFLINE_MAX_NUM_BATCHED_TOKENS)
-        config = EngineConfig(model=str(model or default_model_path()), **engine_options)
+        config = EngineConfig(model=str(resolve_model(model)), **engine_options)
         if not apply_thread_policy():  # before the engine's first import loads torch and OpenMP
             logger.warning(policy_warning())
         if config.data_parallel_size > 1:  # rank processes behind the same interface

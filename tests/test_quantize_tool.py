@@ -151,3 +151,22 @@ def test_the_bundled_models_are_selected_by_name(tmp_path: Path, monkeypatch: py
     shutil.copytree(FP8 / "confidence_head", local)  # a local folder of that name wins: it is a path
     assert resolve_model("deepinfer-tiny-coder-fp8") == Path("deepinfer-tiny-coder-fp8")
     assert resolve_model("no/such/folder") == Path("no/such/folder")
+
+
+def test_every_model_option_takes_a_bundled_name() -> None:
+    """deepinfer run / bench, deepinfer serve, the router and the torchrun launcher."""
+    import argparse
+
+    from deepinfer.cli import add_bench_arguments, add_run_arguments
+    from deepinfer.parallel.launch import parse_args as launch_args
+    from deepinfer.router.cli import add_router_arguments
+    from deepinfer.server.launch import add_serve_arguments
+
+    for add in (add_run_arguments, add_serve_arguments, add_router_arguments):
+        parser = argparse.ArgumentParser()
+        add(parser)
+        assert parser.parse_args(["--model", "deepinfer-tiny-coder-fp8"]).model == str(FP8), add.__name__
+    bench = argparse.ArgumentParser()
+    add_bench_arguments(bench)
+    assert bench.parse_args(["offline", "--model", "deepinfer-tiny-coder-fp8"]).model == str(FP8)
+    assert launch_args(["--model", "deepinfer-tiny-coder-fp8", "--file", "x"]).model == str(FP8)

@@ -18,12 +18,16 @@ import json
 import os
 import sys
 
+from deepinfer.model_zoo import model_argument
+
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="python -m deepinfer.parallel.launch", description=__doc__.split("\n\n")[0]
     )
-    parser.add_argument("--model", help="model folder (default: the bundled model)")
+    parser.add_argument(
+        "--model", type=model_argument, help="model folder or bundled model name (default: the bundled model)"
+    )
     parser.add_argument("--file", required=True, help="prompts, one per line")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--temperature", type=float, default=0.0)

@@ -9,6 +9,7 @@ import os
 import sys
 from pathlib import Path
 
+from deepinfer.model_zoo import model_argument
 from deepinfer.router.config import RouterConfig
 
 
@@ -27,7 +28,8 @@ def add_router_options(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--model",
-        help="model folder whose tokenizer the router counts prompt tokens with (default: the bundled one)",
+        type=model_argument,
+        help="model folder (or bundled model name) whose tokenizer the router counts prompt tokens with (default: the bundled one)",
     )
     parser.add_argument(
         "--prefill-policy",

@@ -17,6 +17,7 @@ from pathlib import Path
 from deepinfer import envs
 from deepinfer.cli import add_weights_argument
 from deepinfer.config import EngineConfig
+from deepinfer.model_zoo import model_argument
 from deepinfer.server.config import ServerConfig
 from deepinfer.web.auth import load_cluster_secret
 
@@ -39,8 +40,10 @@ def port_number(text: str) -> int:
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--model", help="Hugging Face model folder (default: the bundled deepinfer-tiny-coder)"
-    )
+        "--model", type=model_argument,
+        help="Hugging Face model folder, or a bundled model's name: deepinfer-tiny-coder (the default), "
+        "deepinfer-tiny-coder-fp8",
+    )  # fmt: skip
     parser.add_argument(
         "--served-model-name", help="the model name clients send (default: the folder's name)"
     )
