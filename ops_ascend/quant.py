@@ -128,28 +128,40 @@ def e2m1_to_float(packed: Tensor) -> Tensor:
 
 def dequantize_to(values: Tensor, scale: Tensor, fmt: WeightFormat, dtype: torch.dtype) -> Tensor:
     """A quantised [..., N, K] pair -> ``dtype`` [..., N, K] (``quant.dequantize``, decoded from the bytes),
-    one tile of at most ``TILE_ELEMENTS`` weights at a time (row blocks of the last matrix dimension)."""
+    one tile of at most ``TILE_ELEMENTS`` weights at a time. Stacked matrices (experts) whose N is a
+    multiple of the block's (always for MXFP4) are decoded as one [E * N, K] matrix: a few large tiles,
+    not one launch sequence per expert."""
     check_pair(values, scale, fmt)
     n, k = values.shape[-2], logical_k(values, fmt)
     out = torch.empty((*values.shape[:-2], n, k), dtype=dtype, device=values.device)
-    flat_values = values.reshape(-1, *values.shape[-2:])
-    flat_scale = scale.reshape(-1, *scale.shape[-2:])
-    flat_out = out.view(-1, n, k)
+    if n % fmt.block[0] == 0:
+        _dequantize_rows(
+            values.reshape(-1, values.shape[-1]), scale.reshape(-1, scale.shape[-1]), fmt, out.view(-1, k)
+        )
+    else:
+        flat_values, flat_scale = (
+            values.reshape(-1, n, values.shape[-1]),
+            scale.reshape(-1, *scale.shape[-2:]),
+        )
+        for m, matrix in enumerate(out.view(-1, n, k)):
+            _dequantize_rows(flat_values[m], flat_scale[m], fmt, matrix)
+    return out
+
+
+def _dequantize_rows(values: Tensor, scale: Tensor, fmt: WeightFormat, out: Tensor) -> None:
+    """One [N, K] matrix into ``out``, a tile of whole row blocks at a time."""
+    n, k = out.shape
     bn = fmt.block[0]
     rows = max(bn, TILE_ELEMENTS // max(k, 1) // bn * bn)
-    for m in range(flat_values.shape[0]):
-        for n0 in range(0, n, rows):
-            n1 = min(n, n0 + rows)
-            if fmt.kind == "fp8":
-                tile = e4m3_to_float(flat_values[m, n0:n1])
-                tile = tile * expand_scale(
-                    flat_scale[m, n0 // bn : math.ceil(n1 / bn)], fmt.block, n1 - n0, k
-                )
-            else:
-                tile = e2m1_to_float(flat_values[m, n0:n1])
-                tile = tile * e8m0_to_float(flat_scale[m, n0:n1]).repeat_interleave(MX_BLOCK, dim=-1)
-            flat_out[m, n0:n1] = tile.to(dtype)
-    return out
+    for n0 in range(0, n, rows):
+        n1 = min(n, n0 + rows)
+        if fmt.kind == "fp8":
+            tile = e4m3_to_float(values[n0:n1])
+            tile = tile * expand_scale(scale[n0 // bn : math.ceil(n1 / bn)], fmt.block, n1 - n0, k)
+        else:
+            tile = e2m1_to_float(values[n0:n1])
+            tile = tile * e8m0_to_float(scale[n0:n1]).repeat_interleave(MX_BLOCK, dim=-1)
+        out[n0:n1] = tile.to(out.dtype)
 
 
 # ------------------------------------------------------------------------------------------- checks

@@ -98,14 +98,16 @@ def test_decoders_match_the_format_definition(quant: Any) -> None:
 def test_tiled_dequantisation_is_the_definition(
     quant: Any, fmt: WeightFormat, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Tiles of a few rows (partial blocks at tile and matrix edges) give quant.dequantize exactly."""
-    n, k = (200, 300) if fmt.block[0] == 128 else (70, 96)
-    values, scale = weight(fmt, n, k)
-    monkeypatch.setattr(quant, "TILE_ELEMENTS", 3 * k * max(fmt.block[0], 1))
-    expected = dequantize(values, scale, fmt)
-    assert torch.equal(quant.dequantize_to(values, scale, fmt, torch.float32), expected)
-    stacked = (values.expand(3, *values.shape), scale.expand(3, *scale.shape))
-    assert torch.equal(quant.dequantize_to(*stacked, fmt, torch.float32), expected.expand(3, n, k))
+    """Tiles of a few rows (partial blocks at tile and matrix edges) give quant.dequantize exactly, for
+    one matrix and for stacked experts (decoded per expert, or as one matrix when N is whole blocks)."""
+    monkeypatch.setattr(quant, "TILE_ELEMENTS", 3 * 300 * max(fmt.block[0], 1))
+    for n, k in ((200, 300), (256, 300)) if fmt.block[0] == 128 else ((70, 96), (64, 96)):
+        values, scale = weight(fmt, n, k)
+        expected = dequantize(values, scale, fmt)
+        assert torch.equal(quant.dequantize_to(values, scale, fmt, torch.float32), expected)
+        experts = [weight(fmt, n, k, seed) for seed in range(3)]
+        stacked = torch.stack([v for v, _ in experts]), torch.stack([s for _, s in experts])
+        assert torch.equal(quant.dequantize_to(*stacked, fmt, torch.float32), dequantize(*stacked, fmt))
 
 
 # ------------------------------------------------------------------------------------------- chips
