@@ -13,6 +13,7 @@ import math
 import torch
 from torch import Tensor
 
+from deepinfer.backends.quant import WeightFormat
 from deepinfer.backends.registry import OpTable
 from deepinfer.backends.testing.harness import (
     MLAShape,
@@ -515,3 +516,290 @@ def check_linear(
                 _on(x, device, dtype), weight, None if bias is None else _on(bias, device, dtype)
             )
             assert_close(f"linear[{case}, {tokens} rows, {layout}]", out, ref, dtype)
+
+
+# ----------------------------------------------------------------------------------------- quantised weights
+# Quantised weights are drawn directly in their format (``quantized_weight``): values spread over the
+# format's codes, and block scales whose magnitude alternates like a checkerboard over the scale grid,
+# so that neighbouring blocks along N and along K differ at least 4x: a kernel that applies a wrong
+# block's scale, one scale for a whole row of blocks, or the grid transposed is far off at every
+# dtype's tolerance. The reference gets the very same (values, scale) pairs, on the CPU; only the
+# activations are rounded to the case dtype.
+
+# Row counts the quantised linear checks cover per shape (the 4096-row case has its own, small shape).
+QUANT_ROWS = (1, 3, 8, 13)
+
+
+def checkerboard_exponents(
+    gen: torch.Generator, lead: tuple[int, ...], rows: int, cols: int, integer: bool
+) -> Tensor:
+    """float32 [*lead, rows, cols]: u with |u| uniform in [1, 3] (an integer 1, 2 or 3 when
+    ``integer``) and its sign alternating like a checkerboard, so 2 ** u differs >= 4x between
+    neighbours."""
+    parity = (torch.arange(rows)[:, None] + torch.arange(cols)[None, :]) % 2
+    if integer:
+        size = torch.randint(1, 4, (*lead, rows, cols), generator=gen).float()
+    else:
+        size = 1 + 2 * torch.rand(*lead, rows, cols, generator=gen)
+    return size * (1 - 2 * parity)
+
+
+def block_magnitudes(
+    gen: torch.Generator, lead: tuple[int, ...], n: int, k: int, block: tuple[int, int]
+) -> Tensor:
+    """float32 [*lead, n, k]: one factor ``2 ** u`` per (bn, bk) block, u from ``checkerboard_exponents``."""
+    from deepinfer.backends.quant import expand_scale
+
+    u = checkerboard_exponents(gen, lead, math.ceil(n / block[0]), math.ceil(k / block[1]), False)
+    return expand_scale(torch.exp2(u), block, n, k)
+
+
+def quantized_weight(
+    gen: torch.Generator, lead: tuple[int, ...], n: int, k: int, fmt: WeightFormat
+) -> tuple[Tensor, Tensor]:
+    """A random [*lead, n, k] weight in ``fmt`` (values, scale), on the CPU, whose dequantised entries
+    have a spread of about ``k ** -0.5`` times the block's checkerboard factor. fp8: values normal of
+    spread 64 (the e4m3 range, subnormals included), scales continuous (f32) or powers of two (ue8m0);
+    mxfp4: every byte (so every e2m1 code, -0 included) equally likely, exponents alternating per
+    4 rows x 32 columns (so they vary along N too)."""
+    if fmt.kind == "mxfp4":
+        fmt.values_shape(n, k)  # validates K
+        values = torch.randint(0, 256, (*lead, n, k // 2), generator=gen, dtype=torch.uint8)
+        tiles = checkerboard_exponents(gen, lead, math.ceil(n / 4), k // 32, True)
+        base = round(math.log2(k**-0.5 / 2.9))  # e2m1 codes have a root mean square of 2.9
+        exponents = 127 + base + tiles.repeat_interleave(4, dim=-2)[..., :n, :]
+        return values, exponents.to(torch.uint8)
+    rows, cols = fmt.scale_shape(n, k)
+    values = (randn(gen, *lead, n, k) * 64).clamp(-448, 448).to(torch.float8_e4m3fn)
+    u = checkerboard_exponents(gen, lead, rows, cols, fmt.scale_fmt == "ue8m0")
+    base = k**-0.5 / 64
+    if fmt.scale_fmt == "ue8m0":
+        base = 2.0 ** round(math.log2(base))
+    return values, (base * torch.exp2(u)).float()
+
+
+def _expect_dtype(name: str, out: Tensor, dtype: torch.dtype) -> None:
+    if out.dtype != dtype:
+        raise AssertionError(f"{name}: returned {out.dtype}, expected {dtype}")
+
+
+def _bits_of(x: Tensor) -> Tensor:
+    x = x.detach().cpu().contiguous()
+    return x.view(torch.uint8) if x.element_size() == 1 else x.view(torch.int32)
+
+
+def _special_groups(x: Tensor, group: int) -> None:
+    """Edge cases written into the first groups of x [M, K] (as many as there are): all zeros and all
+    tiny (the 1e-4 amax floor), an amax of exactly 448 * 2**-5 (a power-of-two scale, which ue8m0 keeps
+    exact), an amax just above 448 * 2**-6 (ue8m0 rounds it up a whole power of two)."""
+    m, k = x.shape
+    cols = math.ceil(k / group)
+    fillers = (
+        lambda g: g.zero_(),
+        lambda g: g.mul_(1e-7),
+        lambda g: g.div_(g.abs().max()).mul_(448 * 2**-5),
+        lambda g: g.div_(g.abs().max()).mul_(448 * 2**-6 * 1.01),
+    )
+    for i, fill in enumerate(fillers[: m * cols]):
+        row, col = divmod(i, cols)
+        fill(x[row, col * group : (col + 1) * group])
+
+
+@nan_filled_memory()
+def check_quant_fp8_group(
+    ops: OpTable, device: torch.device, dtype: torch.dtype, rows: int, k: int, group: int, case: str
+) -> None:
+    """Bit-exact against the reference (it is a pure function), values and scales, f32 and ue8m0; and,
+    independently of the reference, that every scale is max(group amax, 1e-4) / 448 (f32) or a power
+    of two in [that, twice that) (ue8m0)."""
+    gen = generator(case)
+    x = randn(gen, rows, k) * block_magnitudes(gen, (), rows, k, (1, group))
+    _special_groups(x, group)
+    x = _rounded(x, dtype)
+    cols = math.ceil(k / group)
+    padded = x.new_zeros(rows, cols * group)
+    padded[:, :k] = x
+    exact = padded.view(rows, cols, group).abs().amax(dim=-1).clamp(min=1e-4) / 448.0
+    for ue8m0 in (False, True):
+        name = f"quant_fp8_group[{case}, ue8m0={ue8m0}]"
+        poison_device_memory(device)
+        values, scale = ops.quant_fp8_group(_on(x, device, dtype), group, ue8m0)
+        ref_values, ref_scale = reference_ops().quant_fp8_group(x, group, ue8m0)
+        _expect_dtype(f"{name}.values", values, torch.float8_e4m3fn)
+        _expect_dtype(f"{name}.scale", scale, torch.float32)
+        for part, got, want in (("values", values, ref_values), ("scale", scale, ref_scale)):
+            if tuple(got.shape) != tuple(want.shape):
+                raise AssertionError(
+                    f"{name}.{part}: shape {tuple(got.shape)} != reference {tuple(want.shape)}"
+                )
+        if not bool(torch.isfinite(values.float().cpu()).all()) or not bool(
+            torch.isfinite(scale.cpu()).all()
+        ):
+            raise AssertionError(f"{name}: non-finite outputs (unwritten memory or overflow)")
+        scale = scale.cpu()
+        if ue8m0:
+            mantissa, _ = torch.frexp(scale)
+            if not bool((mantissa == 0.5).all()):
+                raise AssertionError(
+                    f"{name}: {int((mantissa != 0.5).sum())} ue8m0 scales are not powers of two"
+                )
+            if not bool((scale >= exact).all() and (scale < 2 * exact).all()):
+                raise AssertionError(
+                    f"{name}: ue8m0 scales must be the power of two in [s, 2s) of s = amax / 448"
+                )
+        elif not torch.equal(scale, exact):
+            raise AssertionError(f"{name}: scales differ from max(amax, 1e-4) / 448")
+        for part, got, want in (("scale", scale, ref_scale), ("values", values, ref_values)):
+            differ = _bits_of(got) != _bits_of(want)
+            if bool(differ.any()):
+                raise AssertionError(
+                    f"{name}.{part}: {int(differ.sum())} elements differ from the reference bits"
+                )
+
+
+def _quant_linear_inputs(
+    case: str, fmt: WeightFormat, k: int, n: int, rows: int
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """x [rows, k] (its magnitude changing per group of block[1] columns), weight values and scale, bias [n]."""
+    gen = generator(case)
+    values, scale = quantized_weight(gen, (), n, k, fmt)
+    x = randn(gen, rows, k) * block_magnitudes(gen, (), rows, k, (1, fmt.block[1])).sqrt()
+    return x, values, scale, randn(gen, n)
+
+
+@nan_filled_memory()
+def check_fp8_linear(
+    ops: OpTable,
+    device: torch.device,
+    dtype: torch.dtype,
+    fmt: WeightFormat,
+    k: int,
+    n: int,
+    rows: tuple[int, ...],
+    case: str,
+) -> None:
+    """W8A16: x in the case dtype by an FP8 [n, k] weight, for every row count of ``rows`` (with a bias;
+    the first row count also without)."""
+    x_all, values, scale, bias_all = _quant_linear_inputs(case, fmt, k, n, max(rows))
+    wv, ws = _on(values, device), _on(scale, device)
+    for i, tokens in enumerate(rows):
+        x = x_all[:tokens]
+        for bias in (bias_all, None) if i == 0 else (bias_all,):
+            name = f"fp8_linear[{case}, {tokens} rows, bias={bias is not None}]"
+            ref = reference_ops().fp8_linear(
+                _rounded(x, dtype), values, scale, fmt.block, None if bias is None else _rounded(bias, dtype)
+            )
+            poison_device_memory(device)
+            out = ops.fp8_linear(
+                _on(x, device, dtype), wv, ws, fmt.block, None if bias is None else _on(bias, device, dtype)
+            )
+            _expect_dtype(name, out, dtype)
+            assert_close(name, out, ref, dtype)
+
+
+@nan_filled_memory()
+def check_fp8_linear_w8a8(
+    ops: OpTable,
+    device: torch.device,
+    dtype: torch.dtype,
+    fmt: WeightFormat,
+    k: int,
+    n: int,
+    rows: tuple[int, ...],
+    case: str,
+) -> None:
+    """W8A8: activations quantised by the reference ``quant_fp8_group`` (group block[1]; ue8m0 with a
+    ue8m0 weight format), output in the case dtype, for every row count of ``rows``."""
+    x_all, values, scale, bias_all = _quant_linear_inputs(case, fmt, k, n, max(rows))
+    xv_all, xs_all = reference_ops().quant_fp8_group(x_all, fmt.block[1], fmt.scale_fmt == "ue8m0")
+    wv, ws = _on(values, device), _on(scale, device)
+    for i, tokens in enumerate(rows):
+        xv, xs = xv_all[:tokens], xs_all[:tokens]
+        for bias in (bias_all, None) if i == 0 else (bias_all,):
+            name = f"fp8_linear_w8a8[{case}, {tokens} rows, bias={bias is not None}]"
+            ref = reference_ops().fp8_linear_w8a8(
+                xv,
+                xs,
+                values,
+                scale,
+                fmt.block,
+                None if bias is None else _rounded(bias, dtype),
+                torch.float32,
+            )
+            poison_device_memory(device)
+            out = ops.fp8_linear_w8a8(
+                _on(xv, device), _on(xs, device), wv, ws, fmt.block,
+                None if bias is None else _on(bias, device, dtype), dtype,
+            )  # fmt: skip
+            _expect_dtype(name, out, dtype)
+            assert_close(name, out, ref, dtype)
+
+
+def _group_sizes(gen: torch.Generator, experts: int, rows: int) -> Tensor:
+    """int64 [experts]: ``rows`` rows spread at random over experts 1.. (expert 0 gets none)."""
+    chosen = (
+        torch.randint(1, experts, (rows,), generator=gen)
+        if experts > 1
+        else torch.zeros(rows, dtype=torch.int64)
+    )
+    sizes = torch.bincount(chosen, minlength=experts)
+    if experts > 1:
+        sizes[0] = 0
+    return sizes
+
+
+@nan_filled_memory()
+def check_grouped_gemm_quant(
+    ops: OpTable,
+    device: torch.device,
+    dtype: torch.dtype,
+    fmt: WeightFormat,
+    shape: MoEShape,
+    rows: int,
+    case: str,
+) -> None:
+    """``rows`` rows over the experts (some get none) by quantised [E, intermediate, hidden] weights."""
+    gen = generator(case)
+    sizes = _group_sizes(gen, shape.experts, rows)
+    values, scale = quantized_weight(gen, (shape.experts,), shape.intermediate, shape.hidden, fmt)
+    x = randn(gen, rows, shape.hidden)
+    ref = reference_ops().grouped_gemm_quant(_rounded(x, dtype), values, scale, fmt, sizes)
+    poison_device_memory(device)
+    out = ops.grouped_gemm_quant(
+        _on(x, device, dtype), _on(values, device), _on(scale, device), fmt, _on(sizes, device)
+    )
+    _expect_dtype(f"grouped_gemm_quant[{case}]", out, dtype)
+    assert_close(f"grouped_gemm_quant[{case}]", out, ref, dtype)
+
+
+@nan_filled_memory()
+def check_fused_moe_quant(
+    ops: OpTable,
+    device: torch.device,
+    dtype: torch.dtype,
+    fmt: WeightFormat,
+    shape: MoEShape,
+    tokens: int,
+    with_remote: bool,
+    case: str,
+) -> None:
+    """``fused_moe`` with quantised w13 [E, 2I, D] and w2 [E, D, I]; ``with_remote`` marks some routed
+    experts as another rank's (id -1)."""
+    gen = generator(case)
+    e, d, inter = shape.experts, shape.hidden, shape.intermediate
+    w13, w13_scale = quantized_weight(gen, (e,), 2 * inter, d, fmt)
+    w2, w2_scale = quantized_weight(gen, (e,), d, inter, fmt)
+    hidden = randn(gen, tokens, d)
+    weights, ids = random_routing(gen, tokens, e, shape.top_k)
+    if with_remote:
+        ids[torch.rand(ids.shape, generator=gen) < 0.3] = -1
+    ref = reference_ops().fused_moe_quant(
+        _rounded(hidden, dtype), w13, w13_scale, w2, w2_scale, fmt, weights, ids
+    )
+    poison_device_memory(device)
+    out = ops.fused_moe_quant(
+        _on(hidden, device, dtype), _on(w13, device), _on(w13_scale, device), _on(w2, device),
+        _on(w2_scale, device), fmt, _on(weights, device), _on(ids, device),
+    )  # fmt: skip
+    _expect_dtype(f"fused_moe_quant[{case}]", out, dtype)
+    assert_close(f"fused_moe_quant[{case}]", out, ref, dtype)

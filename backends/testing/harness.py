@@ -19,6 +19,7 @@ import torch
 from torch import Tensor
 
 from deepinfer import envs
+from deepinfer.backends.quant import WeightFormat
 from deepinfer.backends.registry import REFERENCE_BACKEND, OpTable, load_backend
 
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 2e-2}
@@ -178,3 +179,51 @@ def assert_close(name: str, out: Tensor, ref: Tensor, dtype: torch.dtype) -> Non
         raise AssertionError(
             f"{name}: relative error {err:.3e} of its worst row (of {rows}) exceeds {tol:.0e} for {dtype}"
         )
+
+
+# ----------------------------------------------------------------------------------------- quantised weights
+# The weight formats every quantised op is checked in.
+QUANT_FORMATS = (
+    WeightFormat("fp8", (128, 128), "f32"),  # V3, R1
+    WeightFormat("fp8", (128, 128), "ue8m0"),  # V3.1 to V4
+    WeightFormat("fp8", (32, 32), "f32"),
+    WeightFormat("fp8", (32, 32), "ue8m0"),  # V4.1
+    WeightFormat("mxfp4", (1, 32), "ue8m0"),  # V4 routed experts
+)
+FP8_FORMATS = tuple(f for f in QUANT_FORMATS if f.kind == "fp8")
+
+
+def format_id(fmt: WeightFormat) -> str:
+    """A test id: ``fp8-128x128-f32``, ``mxfp4``."""
+    return "mxfp4" if fmt.kind == "mxfp4" else f"fp8-{fmt.block[0]}x{fmt.block[1]}-{fmt.scale_fmt}"
+
+
+# MoE shapes for the quantised expert ops. "odd": N and K not multiples of any block (fp8), or of
+# 128 only (mxfp4 needs K, so hidden and intermediate, a multiple of 32); "rows4096": many rows, small
+# dims. The DeepSeek-V3 case is ``v3_quant_moe``.
+ODD_QUANT_MOE = MoEShape("odd", experts=6, top_k=2, n_group=1, topk_group=1, hidden=200, intermediate=72)
+ODD_MXFP4_MOE = MoEShape("odd", experts=6, top_k=2, n_group=1, topk_group=1, hidden=160, intermediate=96)
+ROWS4096_QUANT_MOE = MoEShape(
+    "rows4096", experts=4, top_k=2, n_group=1, topk_group=1, hidden=64, intermediate=32
+)
+
+
+def quant_moe(name: str, fmt: WeightFormat) -> MoEShape:
+    """The MoE shape ``name`` ("odd", "rows4096", "deepseek_v3") for weights in ``fmt``."""
+    if name == "odd":
+        return ODD_MXFP4_MOE if fmt.kind == "mxfp4" else ODD_QUANT_MOE
+    if name == "rows4096":
+        return ROWS4096_QUANT_MOE
+    if name == "deepseek_v3":
+        return v3_quant_moe()
+    raise ValueError(f"quantised MoE shape {name!r}; choose 'odd', 'rows4096' or 'deepseek_v3'")
+
+
+def v3_quant_moe() -> MoEShape:
+    """DeepSeek-V3's top-8 routing for the quantised expert ops. With DEEPINFER_CONFORMANCE_FULL=1 the
+    real 7168/2048 dims over 16 experts (the reference dequantises every expert to float32: all 256
+    would take 30 GB a weight); otherwise ``v3_moe()``'s reduced dims over 32 experts (256 make the
+    reference case take seconds on a small host, and the routing is random here anyway)."""
+    shape = v3_moe()
+    experts = 16 if envs.get("DEEPINFER_CONFORMANCE_FULL") else 32
+    return MoEShape("deepseek_v3", experts, 8, 8, 4, shape.hidden, shape.intermediate)

@@ -6,7 +6,17 @@ import pytest
 import torch
 
 from deepinfer.backends.testing import checks
-from deepinfer.backends.testing.harness import SMALL_MLA, SMALL_MOE, V3_MLA, Target, v3_moe
+from deepinfer.backends.testing.harness import (
+    FP8_FORMATS,
+    QUANT_FORMATS,
+    SMALL_MLA,
+    SMALL_MOE,
+    V3_MLA,
+    Target,
+    format_id,
+    quant_moe,
+    v3_moe,
+)
 
 MLA_SHAPES = [SMALL_MLA, V3_MLA]
 # (K, N, heads): small, V3's q_a_proj (7168 -> 1536), V3's absorbed W_UK per head (128 -> 512, 128 heads)
@@ -143,6 +153,73 @@ def test_apply_token_bitmask(target: Target) -> None:
     checks.check_apply_token_bitmask(target.ops, target.device, "bitmask")
 
 
+# Quantised weights (issue 29). (name, rows, K): N and K not multiples of the 128 or 32 blocks, a
+# 4096-row batch at small dims, and DeepSeek-V3 widths.
+QUANT_GROUP_DIMS = [("small", 13, 200), ("rows4096", 4096, 48), ("deepseek_v3", 4, 7168)]
+# (name, K, N, row counts): odd, many rows, V3's kv_a_proj_with_mqa (7168 -> 576).
+QUANT_LINEAR_DIMS = [
+    ("small", 200, 72, checks.QUANT_ROWS),
+    ("rows4096", 96, 40, (4096,)),
+    ("deepseek_v3", 7168, 576, (5,)),  # kv_a_proj_with_mqa: a partial N block
+]
+# (MoE shape, rows or tokens, with_remote)
+QUANT_MOE_CASES = [("odd", 1, False), ("odd", 37, False), ("odd", 13, True), ("rows4096", 4096, False),
+                   ("deepseek_v3", 37, False)]  # fmt: skip
+
+
+def quant_moe_id(case: tuple[str, int, bool]) -> str:
+    return f"{case[0]}-{case[1]}{'-remote' if case[2] else ''}"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("group", [128, 32])
+@pytest.mark.parametrize("dims", QUANT_GROUP_DIMS, ids=lambda d: f"{d[0]}-{d[1]}x{d[2]}")
+def test_quant_fp8_group(target: Target, dtype: str, group: int, dims) -> None:
+    name, rows, k = dims
+    case = f"qgroup-{name}-{rows}x{k}-{group}-{dtype}"
+    checks.check_quant_fp8_group(target.ops, target.device, _dtype(target, dtype), rows, k, group, case)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("fmt", FP8_FORMATS, ids=format_id)
+@pytest.mark.parametrize("dims", QUANT_LINEAR_DIMS, ids=lambda d: f"{d[0]}-{d[1]}x{d[2]}")
+def test_fp8_linear(target: Target, dtype: str, fmt, dims) -> None:
+    name, k, n, rows = dims
+    case = f"fp8_linear-{name}-{k}x{n}-{format_id(fmt)}-{dtype}"
+    checks.check_fp8_linear(target.ops, target.device, _dtype(target, dtype), fmt, k, n, rows, case)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("fmt", FP8_FORMATS, ids=format_id)
+@pytest.mark.parametrize("dims", QUANT_LINEAR_DIMS, ids=lambda d: f"{d[0]}-{d[1]}x{d[2]}")
+def test_fp8_linear_w8a8(target: Target, dtype: str, fmt, dims) -> None:
+    name, k, n, rows = dims
+    case = f"fp8_w8a8-{name}-{k}x{n}-{format_id(fmt)}-{dtype}"
+    checks.check_fp8_linear_w8a8(target.ops, target.device, _dtype(target, dtype), fmt, k, n, rows, case)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("fmt", QUANT_FORMATS, ids=format_id)
+@pytest.mark.parametrize("moe", [c for c in QUANT_MOE_CASES if not c[2]], ids=quant_moe_id)
+def test_grouped_gemm_quant(target: Target, dtype: str, fmt, moe) -> None:
+    name, rows, _ = moe
+    case = f"ggq-{quant_moe_id(moe)}-{format_id(fmt)}-{dtype}"
+    checks.check_grouped_gemm_quant(
+        target.ops, target.device, _dtype(target, dtype), fmt, quant_moe(name, fmt), rows, case
+    )
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("fmt", QUANT_FORMATS, ids=format_id)
+@pytest.mark.parametrize("moe", QUANT_MOE_CASES, ids=quant_moe_id)
+def test_fused_moe_quant(target: Target, dtype: str, fmt, moe) -> None:
+    name, tokens, remote = moe
+    case = f"moeq-{quant_moe_id(moe)}-{format_id(fmt)}-{dtype}"
+    checks.check_fused_moe_quant(
+        target.ops, target.device, _dtype(target, dtype), fmt, quant_moe(name, fmt), tokens, remote, case
+    )
+
+
 def test_every_interface_op_is_covered() -> None:
     """A new interface op must get a conformance check here."""
     from deepinfer.backends.registry import interface_ops
@@ -151,5 +228,6 @@ def test_every_interface_op_is_covered() -> None:
         "rms_norm", "add_rms_norm", "silu_and_mul", "rope", "kv_cache_spec", "kv_cache_write",
         "kv_cache_gather", "mla_prefill", "mla_prefill_partial", "mla_decode", "moe_route", "grouped_gemm", "fused_moe",
         "ep_dispatch", "ep_combine", "sample", "greedy", "apply_token_bitmask", "linear",
+        "quant_fp8_group", "fp8_linear", "fp8_linear_w8a8", "grouped_gemm_quant", "fused_moe_quant",
     }  # fmt: skip
     assert set(interface_ops()) == covered
