@@ -198,10 +198,10 @@ def format_id(fmt: WeightFormat) -> str:
     return "mxfp4" if fmt.kind == "mxfp4" else f"fp8-{fmt.block[0]}x{fmt.block[1]}-{fmt.scale_fmt}"
 
 
-# MoE shapes for the quantised expert ops. "odd": N and K not multiples of any block (fp8), or of
-# 128 only (mxfp4 needs K, so hidden and intermediate, a multiple of 32); "rows4096": many rows, small
-# dims. The DeepSeek-V3 case is ``v3_quant_moe``.
-ODD_QUANT_MOE = MoEShape("odd", experts=6, top_k=2, n_group=1, topk_group=1, hidden=200, intermediate=72)
+# MoE shapes for the quantised expert ops. "odd": N and K not multiples of any block (fp8; at least
+# two blocks of 128 along each, so that a transposed scale grid differs), or of 128 only (mxfp4 needs
+# K, so hidden and intermediate, a multiple of 32); "rows4096": many rows, small dims. The DeepSeek-V3 case is ``v3_quant_moe``.
+ODD_QUANT_MOE = MoEShape("odd", experts=6, top_k=2, n_group=1, topk_group=1, hidden=200, intermediate=136)
 ODD_MXFP4_MOE = MoEShape("odd", experts=6, top_k=2, n_group=1, topk_group=1, hidden=160, intermediate=96)
 ROWS4096_QUANT_MOE = MoEShape(
     "rows4096", experts=4, top_k=2, n_group=1, topk_group=1, hidden=64, intermediate=32

@@ -158,7 +158,7 @@ def test_apply_token_bitmask(target: Target) -> None:
 QUANT_GROUP_DIMS = [("small", 13, 200), ("rows4096", 4096, 48), ("deepseek_v3", 4, 7168)]
 # (name, K, N, row counts): odd, many rows, V3's kv_a_proj_with_mqa (7168 -> 576).
 QUANT_LINEAR_DIMS = [
-    ("small", 200, 72, checks.QUANT_ROWS),
+    ("small", 328, 200, checks.QUANT_ROWS),  # scale grids 2x3 (128) and 7x11 (32), partial last blocks
     ("rows4096", 96, 40, (4096,)),
     ("deepseek_v3", 7168, 576, (5,)),  # kv_a_proj_with_mqa: a partial N block
 ]
