@@ -362,6 +362,12 @@ class EngineClient:
         return sum(r.max_num_seqs for r in ready) + self.max_queued_requests
 
     @property
+    def weight_bytes(self) -> int:
+        """Bytes of model weights the live, ready cores hold, as stored (each core its own copy or
+        its experts' shard: ``deepinfer.worker.memory_profile.weight_memory``)."""
+        return sum(c.ready.weight_bytes for c in self._cores.values() if c.alive and c.ready is not None)
+
+    @property
     def num_in_flight(self) -> int:
         return len(self._requests)
 

@@ -97,6 +97,7 @@ class EngineCore:
             cost_model=CostModel.of(step_cost_model(e)),
             kv_store_namespace=e.kv_connector.ns_digest.hex() if e.kv_connector else "",
             kv_shared_path=(e.kv_connector.config.shared_path or "") if e.kv_connector else "",
+            weight_bytes=e.weight_memory.total_bytes,
         )
 
     # ------------------------------------------------------------------ the loop

@@ -58,6 +58,7 @@ class Ready(msgspec.Struct, tag=True, frozen=True):
     cost_model: CostModel | None = None  # the step cost model routers predict this core's work with
     kv_store_namespace: str = ""  # hex digest of its KV store namespace ("": no store)
     kv_shared_path: str = ""  # its KV store's shared tier ("": none): where handed-off blocks live
+    weight_bytes: int = 0  # its model's weights as held (stored bytes: FP8 values + scales count 1 + 4/block)
 
 
 class SpecCounts(msgspec.Struct, array_like=True, frozen=True):

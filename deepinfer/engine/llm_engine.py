@@ -42,7 +42,7 @@ from deepinfer.tokenizer import Tokenizer
 from deepinfer.worker import calibration
 from deepinfer.worker.graphs import DecodeGraphs
 from deepinfer.worker.inputs import InputBuilder
-from deepinfer.worker.memory_profile import profile_shape, profile_step_peak
+from deepinfer.worker.memory_profile import profile_shape, profile_step_peak, weight_memory
 from deepinfer.worker.model_runner import ModelRunner, RunnerOutput
 from deepinfer.worker.spec_decode import ConfidenceHead, MTPProposer
 
@@ -91,6 +91,7 @@ class LLMEngine:
         if self.model.lm_head is not None:  # a tied head is the embedding table: kept row-major
             head = self.model.lm_head.weight
             head.data = self.platform.lm_head_layout(head.data)
+        self.weight_memory = weight_memory(self.model)  # as held: FP8 / MXFP4 values and scales as stored
         self.model_config = self.model.config
         tokenizer_dir = Path(config.tokenizer or config.model)
         self.tokenizer = Tokenizer(tokenizer_dir) if (tokenizer_dir / "tokenizer.json").is_file() else None
@@ -335,11 +336,12 @@ class LLMEngine:
             )
         logger.info(
             "KV cache sized after a profiled step of %d tokens over %d requests: its peak %.1f MiB, "
-            "free memory %.2f GiB -> %.2f GiB of KV cache",
+            "free memory %.2f GiB (after the weights: %.1f MiB as held) -> %.2f GiB of KV cache",
             sum(shape),
             len(shape),
             peak / 2**20,
             free / 2**30,
+            self.weight_memory.total_bytes / 2**20,
             budget / 2**30,
         )
         return budget // per_block

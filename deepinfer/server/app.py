@@ -26,7 +26,11 @@ def build_app(client: EngineClient, config: ServerConfig, tokenizer: Tokenizer |
     """An app serving through ``client``. The app's startup starts the client's cores and waits
     until they are ready (ASGI lifespan); its shutdown stops them."""
     metrics = ServerMetrics(
-        lambda: client.stats, lambda: client.num_in_flight, client.core_stats, lambda: client.dropped_messages
+        lambda: client.stats,
+        lambda: client.num_in_flight,
+        client.core_stats,
+        lambda: client.dropped_messages,
+        lambda: client.weight_bytes,
     )
 
     @asynccontextmanager

@@ -32,11 +32,13 @@ class _EngineCollector(Collector):
         in_flight: Callable[[], int],
         per_core: Callable[[], dict[int, EngineStats]],
         dropped_messages: Callable[[], int],
+        weight_bytes: Callable[[], int],
     ) -> None:
         self._stats = stats
         self._in_flight = in_flight
         self._per_core = per_core
         self._dropped_messages = dropped_messages
+        self._weight_bytes = weight_bytes
 
     def collect(self) -> Iterator[Metric]:
         s = self._stats()
@@ -69,6 +71,11 @@ class _EngineCollector(Collector):
             "deepinfer_engine_channel_dropped_messages",
             "Frames from the engine-core channel dropped as malformed or not their sender's to send",
             value=self._dropped_messages(),
+        )
+        yield GaugeMetricFamily(
+            "deepinfer_model_weight_bytes",
+            "Bytes of model weights the engine cores hold, as stored (FP8 / MXFP4 values plus scales)",
+            value=self._weight_bytes(),
         )
         rate = s.prefix_hits / s.prefix_queries if s.prefix_queries else 0.0
         yield GaugeMetricFamily(
@@ -157,12 +164,14 @@ class ServerMetrics:
         in_flight: Callable[[], int],
         per_core: Callable[[], dict[int, EngineStats]] = dict,
         dropped_messages: Callable[[], int] = lambda: 0,
+        weight_bytes: Callable[[], int] = lambda: 0,
     ) -> None:
         """``stats``: the cores' stats summed; ``per_core``: each core's (data-parallel ranks get
         per-rank series when there are several); ``dropped_messages``: the engine client's count of
-        channel frames it dropped (``EngineClient.dropped_messages``)."""
+        channel frames it dropped (``EngineClient.dropped_messages``); ``weight_bytes``: the bytes of
+        weights the cores hold as stored (``EngineClient.weight_bytes``)."""
         self.registry = CollectorRegistry()
-        self.registry.register(_EngineCollector(stats, in_flight, per_core, dropped_messages))
+        self.registry.register(_EngineCollector(stats, in_flight, per_core, dropped_messages, weight_bytes))
         r = self.registry
         self.ttft = Histogram(
             "deepinfer_time_to_first_token_seconds",

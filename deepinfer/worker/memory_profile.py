@@ -11,11 +11,17 @@ cache (vLLM's profile run; the step's values are discarded).
 What it does not cover: prompt log-probabilities (their logits grow with the chunk, not the budget) and
 captured decode graphs (they share one pool, about one decode step's intermediates: the 10% of free
 memory the engine leaves unused covers them).
+
+The weights count as they are stored: free memory is read after the model is loaded, so FP8 / MXFP4
+weights kept as-stored (values plus scales) take their stored bytes out of the budget, not their
+dequantised size. ``weight_memory`` says how many bytes that is (the engine's KV-sizing line, the
+engine core's ``Ready.weight_bytes`` and the server's ``deepinfer_model_weight_bytes`` report it).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -28,6 +34,57 @@ from deepinfer.worker.model_runner import ModelRunner
 # Sampled with the sampler's heaviest path (temperature, top-k and top-p): its sort is the step's
 # largest temporary at a wide vocabulary.
 _SAMPLED = SamplingParams(temperature=1.0, top_k=50, top_p=0.9)
+# Stored dtypes of quantised weight values (FP8 e4m3/e5m2; MXFP4 two e2m1 per uint8 byte; e8m0 bytes).
+_QUANTISED_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2, torch.uint8, torch.int8)
+
+
+@dataclass(frozen=True, slots=True)
+class WeightMemory:
+    """Bytes a model's weights occupy as held (each storage counted once, views and tied weights
+    included once): ``total_bytes`` of every parameter, buffer and tensor attribute of its modules;
+    ``quantised_bytes`` of those that are quantised values (FP8 / packed FP4 bytes) or their scales
+    (a tensor whose name ends in ``scale`` or ``scale_inv``); ``by_dtype`` the total per dtype name."""
+
+    total_bytes: int
+    quantised_bytes: int
+    by_dtype: dict[str, int]
+
+
+def _module_tensors(model: torch.nn.Module) -> Iterator[tuple[str, Tensor]]:
+    """(name, tensor) of every parameter, buffer and plain tensor attribute of every module."""
+    for prefix, module in model.named_modules():
+        dotted = f"{prefix}." if prefix else ""
+        for bag in (module._parameters, module._buffers):
+            for name, tensor in bag.items():
+                if tensor is not None:
+                    yield dotted + name, tensor
+        for name, value in vars(module).items():
+            if isinstance(value, Tensor) and not isinstance(value, torch.nn.Parameter):
+                yield dotted + name, value
+
+
+def weight_memory(model: torch.nn.Module) -> WeightMemory:
+    """What ``model``'s weights take in memory, as stored (see ``WeightMemory``). Meta tensors count
+    their nominal bytes."""
+    seen: set[tuple[str, int]] = set()
+    total = quantised = 0
+    by_dtype: dict[str, int] = {}
+    for name, tensor in _module_tensors(model):
+        if tensor.device.type == "meta":
+            size = tensor.numel() * tensor.element_size()
+        else:
+            storage = tensor.untyped_storage()
+            key = (str(tensor.device), storage.data_ptr())
+            if key in seen:
+                continue
+            seen.add(key)
+            size = storage.nbytes()
+        total += size
+        dtype = str(tensor.dtype).removeprefix("torch.")
+        by_dtype[dtype] = by_dtype.get(dtype, 0) + size
+        if tensor.dtype in _QUANTISED_DTYPES or name.endswith(("scale", "scale_inv")):
+            quantised += size
+    return WeightMemory(total, quantised, dict(sorted(by_dtype.items())))
 
 
 def profile_shape(max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int) -> list[int]:
