@@ -55,6 +55,8 @@ KEPT_FLOAT32 = re.compile(r".*\.e_score_correction_bias")  # DeepSeek ships the 
 COPIED_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")
 COPIED_FOLDERS = ("confidence_head",)
 KEEP_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+# Widths along which engines split or merge weights (gate/up into one matrix, per-expert stacks).
+WIDTHS = ("hidden_size", "intermediate_size", "moe_intermediate_size")
 
 
 def is_quantised(name: str) -> bool:
@@ -88,8 +90,9 @@ def quantise_tensors(
 ) -> tuple[dict[str, torch.Tensor], list[dict[str, Any]]]:
     """The output tensors (FP8 pairs and kept tensors, sorted by name) and one report row per source
     tensor: its name, shape, how it is stored, its stored bytes, and for FP8 the largest error
-    relative to the tensor's absolute maximum (at most 16/448 = 0.0357: half an e4m3 step at the top
-    of the range, where each block's maximum lands)."""
+    relative to the tensor's absolute maximum (at most 16/448 = 0.0357 with float32 scales: half an
+    e4m3 step at the top of the range, where each block's maximum lands; up to twice that with ue8m0
+    scales, which round each block's scale up to a power of two)."""
     out: dict[str, torch.Tensor] = {}
     rows = []
     for name in sorted(tensors):
@@ -175,6 +178,7 @@ def write_model(
             "model_safetensors": (out / "model.safetensors").stat().st_size,
         },
         "max_abs_error_over_absmax": max((r["max_abs_error_over_absmax"] for r in fp8), default=0.0),
+        "widths": {k: config[k] for k in WIDTHS if config.get(k)},
         "tensors": rows,
     }
     (out / "quantization.json").write_text(_report_json(report))
@@ -201,7 +205,11 @@ def readme(name: str, report: dict[str, Any], command: str, quality: dict[str, A
     """The model card: provenance, what is stored how, sizes, and the measured quality (if given)."""
     fmt = report["format"]
     b = report["stored_bytes"]
-    kept = sorted({_kept_kind(r["name"]) for r in report["tensors"] if r["stored"] != "float8_e4m3fn"})
+    kinds = [_kept_kind(r["name"]) for r in report["tensors"] if r["stored"] != "float8_e4m3fn"]
+    kept = sorted(
+        set(kinds),
+        key=lambda kind: (kind not in KEPT_KINDS, KEPT_KINDS.index(kind) if kind in KEPT_KINDS else 0, kind),
+    )
     lines = [
         "---",
         "license: apache-2.0",
@@ -218,8 +226,8 @@ def readme(name: str, report: dict[str, Any], command: str, quality: dict[str, A
         "",
         f"`{report['source']}` with its linear and expert weights block-quantised to FP8, in DeepSeek's own",
         "checkpoint format (float8_e4m3fn `weight` plus a float32 `weight_scale_inv` per "
-        f"{fmt['block'][0]}x{fmt['block'][1]} block,",
-        "`quantization_config` as DeepSeek-V3's). It exists so that engines can be tested and measured on",
+        f"{fmt['block'][0]}x{fmt['block'][1]} block{', each a power of two (`scale_fmt` ue8m0)' if fmt['scale_fmt'] == 'ue8m0' else ''},",
+        "`quantization_config` as DeepSeek's). It exists so that engines can be tested and measured on",
         "real trained weights as DeepSeek ships them. Select it with `--model deepinfer-tiny-coder-fp8`",
         '(`LLM(model="deepinfer-tiny-coder-fp8")`).',
         "",
@@ -245,11 +253,9 @@ def readme(name: str, report: dict[str, Any], command: str, quality: dict[str, A
         f"`model.safetensors`: {b['model_safetensors']:,} bytes (the float32 source: {b['source_file']:,}).",
         "",
         "FP8 (as DeepSeek's checkpoints): the attention projections (q_a/q_b, kv_a_proj_with_mqa, kv_b_proj,",
-        "o_proj), the dense MLP, the shared and routed experts, in the four main layers and in the MTP",
+        "o_proj), the dense MLP, the shared and routed experts, in every main layer and in the MTP",
         "layer's decoder block. Kept in high precision: " + ", ".join(kept) + ".",
-        "The tiny model's matrices are smaller than a block in most dimensions (hidden 192, expert width",
-        "64), so most weights have one to two scales per row band: a coarser grid, relative to the matrix,",
-        "than DeepSeek-V3's 7168-wide layers get.",
+        *_block_note(fmt["block"], report["widths"]),
         "",
         "`confidence_head/` is a copy of the source model's (the MTP drafter's acceptance gate, trained on",
         "the float32 model's drafts): it runs unchanged on this model, but its threshold was not re-tuned.",
@@ -268,18 +274,45 @@ def readme(name: str, report: dict[str, Any], command: str, quality: dict[str, A
     return "\n".join(lines)
 
 
+def _block_note(block: list[int], widths: dict[str, int]) -> list[str]:
+    """Why this block suits (or does not suit) the model: whether it divides the widths an engine
+    splits or merges weights along (an expert's gate/up rows, the hidden size)."""
+    shown = ", ".join(f"{k} {v}" for k, v in widths.items())
+    unaligned = [k for k, v in widths.items() if v % block[0] or v % block[1]]
+    if not unaligned:
+        v3 = [k for k, v in widths.items() if v % 128]
+        lines = [
+            f"{block[0]}x{block[1]} divides every width engines split or merge weights along ({shown}):",
+            "each expert's gate and up projections keep their own scale rows inside a merged w13, so an",
+            "engine can hold every linear and expert weight in FP8.",
+        ]
+        if v3:
+            lines += [
+                f"DeepSeek-V3's 128x128 blocks would not divide {', '.join(v3)}: the gate and up halves would",
+                "share blocks, and engines that merge them dequantise those weights (deepinfer does).",
+                "DeepSeek-V4.1 ships its dense weights in 32x32 blocks with ue8m0 scales.",
+            ]
+        return lines
+    return [
+        f"{block[0]}x{block[1]} does not divide {', '.join(unaligned)} ({shown}): an engine that merges",
+        "projections along those widths cannot share one scale grid, and may dequantise those weights.",
+    ]
+
+
+_KEPT_PATTERNS = (
+    (r".*embed_tokens\.weight", "embeddings (main and MTP)"),
+    (r"(lm_head|.*shared_head\.head)\.weight", "lm_head and the MTP shared head"),
+    (r".*norm\.weight", "norms"),
+    (r".*mlp\.gate\.weight", "the router gate"),
+    (r".*e_score_correction_bias", "e_score_correction_bias"),
+    (r".*eh_proj\.weight", "the MTP eh_proj"),
+)
+KEPT_KINDS = [kind for _, kind in _KEPT_PATTERNS]
+
+
 def _kept_kind(name: str) -> str:
-    for pattern, kind in (
-        (r".*embed_tokens\.weight", "embeddings (main and MTP)"),
-        (r"(lm_head|.*shared_head\.head)\.weight", "lm_head and the MTP shared head"),
-        (r".*norm\.weight", "norms"),
-        (r".*mlp\.gate\.weight", "the router gate"),
-        (r".*e_score_correction_bias", "e_score_correction_bias"),
-        (r".*eh_proj\.weight", "the MTP eh_proj"),
-    ):
-        if re.fullmatch(pattern, name):
-            return kind
-    return name
+    """How the README names a kept tensor's kind (the tensor's name when it is of no known kind)."""
+    return next((kind for pattern, kind in _KEPT_PATTERNS if re.fullmatch(pattern, name)), name)
 
 
 def _quality_lines(quality: dict[str, Any] | None) -> list[str]:
@@ -298,9 +331,12 @@ def _quality_lines(quality: dict[str, Any] | None) -> list[str]:
         "",
         f"Perplexity ratio {quality['perplexity_ratio']:.4f} ({(quality['perplexity_ratio'] - 1) * 100:+.2f}%); "
         f"the two models' top-1 predictions agree on {quality['top1_agreement']:.4f} of positions; mean",
-        f"|log p difference| of the actual token {quality['mean_abs_logprob_diff']:.4f} nats. Weights as the "
-        f"engine held them: {fp8.get('weights', 'n/a')}.",
-        f"Measured at commit {quality['env'].get('git_commit', 'n/a')} on {quality['env'].get('cpu', 'n/a')}.",
+        f"|log p difference| of the actual token {quality['mean_abs_logprob_diff']:.4f} nats.",
+        f"The engine held the FP8 model's weights as: {fp8['weights']['summary']} "
+        f"({fp8['weights']['total_bytes']:,} bytes, {fp8['weights']['quantised_bytes']:,} of them FP8 values and "
+        f"scales; the float32 model: {ref['weights']['total_bytes']:,}).",
+        f"Measured at commit {quality['env']['git_commit']} on {quality['env']['cpu']} "
+        "(`bench/results/quality_fp8.json`).",
     ]
     return lines
 

@@ -72,7 +72,7 @@ def test_as_stored_counts_the_checkpoints_stored_bytes() -> None:
             stored += t.numel() * t.element_size()
             gates += t.numel() * 2 if name.endswith("mlp.gate.weight") else 0
     plan = plan_memory(load_config(FP8_MODEL), 1)
-    assert plan.weight_format == "as-stored" and plan.formats == "fp8 128x128 f32, rest bf16"
+    assert plan.weight_format == "as-stored" and plan.formats == "fp8 32x32 ue8m0, rest bf16"
     assert plan.weight_bytes == stored + gates
     fp32 = plan_memory(load_config(FP8_MODEL), 1, "fp32")
     assert fp32.formats == "all fp32" and plan.weight_bytes < 0.45 * fp32.weight_bytes
@@ -113,6 +113,6 @@ def test_cli_plans_the_stored_format_by_default(
     monkeypatch.setenv("DEEPINFER_MALLOC_TUNING", "0")
     assert main(["plan", "memory", "--model", "deepinfer-tiny-coder-fp8", "--ep", "1", "--json"]) == 0
     (row,) = json.loads(capsys.readouterr().out)
-    assert row["weight_format"] == "as-stored" and row["formats"] == "fp8 128x128 f32, rest bf16"
+    assert row["weight_format"] == "as-stored" and row["formats"] == "fp8 32x32 ue8m0, rest bf16"
     assert main(["plan", "memory", "--model", str(V3), "--ep", "8", "--weights", "bf16"]) == 0
     assert "EP 8 (all bf16" in capsys.readouterr().out
