@@ -17,12 +17,14 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from deepinfer.backends.quant import WeightFormat
 from deepinfer.backends.registry import OpTable
 from deepinfer.backends.testing.harness import (
     MLAShape,
     MoEShape,
     assert_close,
     generator,
+    quant_moe,
     randn,
     reference_ops,
 )
@@ -43,7 +45,7 @@ class Deterministic:
 def _bits(x: Tensor) -> Tensor:
     x = x.detach().cpu()
     if x.is_floating_point():
-        return x.view(torch.int16 if x.element_size() == 2 else torch.int32)
+        return x.view({1: torch.uint8, 2: torch.int16}.get(x.element_size(), torch.int32))
     return x
 
 
@@ -366,3 +368,80 @@ def check_attention(
             start = sum(p[0].shape[0] for p in parts[:pos])
             for a, b in zip(alone, out):
                 _bits_equal(name, a, b[start : start + 9], f"{count} other requests, needle at {pos}")
+
+
+def check_quant(
+    table: OpTable, device: torch.device, dtype: torch.dtype, fmt: WeightFormat, case: str
+) -> None:
+    """The quantised-weight ops (issue 29) in ``fmt``: quant_fp8_group, fp8_linear and fp8_linear_w8a8
+    (fp8 formats) per token; grouped_gemm_quant per (token, expert) row; fused_moe_quant per token;
+    each deterministic formulation also against the reference."""
+    from deepinfer.backends.testing.checks import quantized_weight, random_routing
+
+    ops, gen, oracle = Deterministic(table), generator(case), reference_ops()
+    shape = quant_moe("odd", fmt)
+    e, d, inter = shape.experts, shape.hidden, shape.intermediate
+    if fmt.kind == "fp8":
+        k, n, group, ue8m0 = d, inter, fmt.block[1], fmt.scale_fmt == "ue8m0"
+        x = randn(gen, 1, k)
+        _rowwise(
+            "quant_fp8_group", ops.quant_fp8_group, [x], lambda m: [randn(gen, m, k)], gen, device, dtype,
+            (group, ue8m0),
+        )  # fmt: skip
+        values, scale = quantized_weight(gen, (), n, k, fmt)
+        bias = randn(gen, n)
+        w = (values.to(device), scale.to(device), fmt.block)
+        got = _rowwise(
+            "fp8_linear", ops.fp8_linear, [x], lambda m: [randn(gen, m, k)], gen, device, dtype,
+            (*w, bias.to(device, dtype)),
+        )  # fmt: skip
+        want = oracle.fp8_linear(x.to(dtype).float(), values, scale, fmt.block, bias.to(dtype).float())
+        assert_close(f"fp8_linear(deterministic)[{case}]", got, want, dtype)
+
+        def quantized_rows(m: int) -> list[Tensor]:
+            return list(oracle.quant_fp8_group(randn(gen, m, k), group, ue8m0))
+
+        needle = quantized_rows(1)
+        got = _rowwise(
+            "fp8_linear_w8a8", ops.fp8_linear_w8a8, needle, quantized_rows, gen, device, None,
+            (*w, bias.to(device, dtype), dtype),
+        )  # fmt: skip
+        want = oracle.fp8_linear_w8a8(
+            *needle, values, scale, fmt.block, bias.to(dtype).float(), torch.float32
+        )
+        assert_close(f"fp8_linear_w8a8(deterministic)[{case}]", got, want, dtype)
+
+    w13, w13_scale = (t.to(device) for t in quantized_weight(gen, (e,), 2 * inter, d, fmt))
+    w2, w2_scale = (t.to(device) for t in quantized_weight(gen, (e,), d, inter, fmt))
+
+    def routed(m: int) -> list[Tensor]:
+        weights, ids = random_routing(gen, m, e, shape.top_k)
+        return [randn(gen, m, d), weights, ids]
+
+    needle = routed(1)
+    got = _rowwise(
+        "fused_moe_quant",
+        lambda h, w, i: ops.fused_moe_quant(h, w13, w13_scale, w2, w2_scale, fmt, w, i),
+        needle, routed, gen, device, dtype,
+    )  # fmt: skip
+    want = oracle.fused_moe_quant(
+        needle[0].to(dtype).float(), w13.cpu(), w13_scale.cpu(), w2.cpu(), w2_scale.cpu(), fmt, *needle[1:]
+    )
+    assert_close(f"fused_moe_quant(deterministic)[{case}]", got, want, dtype)
+
+    # grouped_gemm_quant: the needle row in expert g, mates spread over all experts (rows sorted by expert).
+    g = int(torch.randint(0, e, (1,), generator=gen))
+    x_needle = randn(gen, 1, d)
+    alone_sizes = torch.zeros(e, dtype=torch.int64)
+    alone_sizes[g] = 1
+    alone = ops.grouped_gemm_quant(x_needle.to(device, dtype), w13, w13_scale, fmt, alone_sizes.to(device))
+    for count in MATES:
+        groups = torch.randint(0, e, (count,), generator=gen)
+        rows = torch.cat((x_needle, randn(gen, count, d)))
+        order = torch.argsort(torch.cat((torch.tensor([g]), groups)), stable=True)
+        sizes = torch.bincount(torch.cat((torch.tensor([g]), groups)), minlength=e)
+        out = ops.grouped_gemm_quant(rows[order].to(device, dtype), w13, w13_scale, fmt, sizes.to(device))
+        pos = int((order == 0).nonzero())
+        _bits_equal("grouped_gemm_quant", alone, out[pos : pos + 1], f"{count} mates, needle at {pos}")
+    want = oracle.grouped_gemm_quant(x_needle.to(dtype).float(), w13.cpu(), w13_scale.cpu(), fmt, alone_sizes)
+    assert_close(f"grouped_gemm_quant(deterministic)[{case}]", alone, want, dtype)

@@ -7,7 +7,16 @@ import pytest
 import torch
 
 from deepinfer.backends.testing import invariance
-from deepinfer.backends.testing.harness import SMALL_MLA, SMALL_MOE, V3_MLA, MoEShape, Target, v3_moe
+from deepinfer.backends.testing.harness import (
+    QUANT_FORMATS,
+    SMALL_MLA,
+    SMALL_MOE,
+    V3_MLA,
+    MoEShape,
+    Target,
+    format_id,
+    v3_moe,
+)
 
 # Widths that are not multiples of a vector: rows end inside a vector loop (scalar tails).
 ODD_MOE = MoEShape("odd", experts=12, top_k=3, n_group=4, topk_group=2, hidden=40, intermediate=24)
@@ -45,6 +54,13 @@ def test_moe(target: Target, dtype: str, moe: str) -> None:
     invariance.check_moe(target.ops, target.device, _dtype(target, dtype), shape, f"inv-moe-{moe}-{dtype}")
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("fmt", QUANT_FORMATS, ids=format_id)
+def test_quant(target: Target, dtype: str, fmt) -> None:
+    case = f"inv-quant-{format_id(fmt)}-{dtype}"
+    invariance.check_quant(target.ops, target.device, _dtype(target, dtype), fmt, case)
+
+
 def test_sample_and_mask(target: Target) -> None:
     invariance.check_sample_and_mask(target.ops, target.device, "inv-sample")
 
@@ -71,5 +87,6 @@ def test_every_op_has_an_invariance_check() -> None:
         "rms_norm", "add_rms_norm", "silu_and_mul", "linear", "rope", "moe_route", "grouped_gemm",
         "fused_moe", "ep_dispatch", "ep_combine", "sample", "greedy", "apply_token_bitmask", "kv_cache_spec",
         "kv_cache_write", "kv_cache_gather", "mla_decode", "mla_prefill", "mla_prefill_partial",
+        "quant_fp8_group", "fp8_linear", "fp8_linear_w8a8", "grouped_gemm_quant", "fused_moe_quant",
     }  # fmt: skip
     assert set(interface_ops()) == checked

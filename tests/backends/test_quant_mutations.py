@@ -27,7 +27,8 @@ from torch import Tensor
 from deepinfer.backends import quant
 from deepinfer.backends.quant import WeightFormat
 from deepinfer.backends.reference import moe
-from deepinfer.backends.testing import checks
+from deepinfer.backends.registry import OpTable, interface_ops
+from deepinfer.backends.testing import checks, invariance
 from deepinfer.backends.testing.harness import QUANT_FORMATS, format_id, quant_moe
 from tests.backends.test_conformance_catches_bugs import table_with
 
@@ -233,3 +234,25 @@ def test_ue8m0_scales_rounded_down_fail(group: int, dtype: torch.dtype) -> None:
         checks.check_quant_fp8_group(
             table_with(quant_fp8_group_with("ue8m0_down")), CPU, dtype, 13, K, group, "down"
         )
+
+
+def _claims_invariance(names: list[str]) -> OpTable:
+    """The reference's default (fast) quantised kernels, wrongly declared batch-invariant."""
+    from deepinfer.backends.reference import quant as reference_quant
+
+    table = OpTable("claims-too-much-quant")
+    for name in names:
+        table.implement(getattr(reference_quant, name))
+    table.declare_invariant(names, "claimed without reason")
+    table.use_reference_for(sorted(set(interface_ops()) - set(names)), "test")
+    return table.finalize()
+
+
+@pytest.mark.parametrize(
+    ("op", "fmt"),
+    [("fp8_linear", FP8["fp8-128x128-f32"]), ("fp8_linear_w8a8", FP8["fp8-32x32-ue8m0"]),
+     ("fused_moe_quant", MXFP4), ("grouped_gemm_quant", MXFP4)],
+)  # fmt: skip
+def test_the_invariance_check_catches_batch_variant_quantised_kernels(op: str, fmt: WeightFormat) -> None:
+    with pytest.raises(AssertionError, match=rf"{op}(\.out0)?: not batch-invariant"):
+        invariance.check_quant(_claims_invariance([op]), CPU, torch.float32, fmt, f"variant-{op}")
