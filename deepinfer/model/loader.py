@@ -97,8 +97,9 @@ def _tensor_files(folder: Path) -> dict[str, Path]:
 
 @dataclass(slots=True)
 class LoadStats:
-    """What ``load_model`` read: checkpoint tensors read (whole or sliced) and skipped (not held by
-    this rank), and the bytes read from the safetensors files as stored (values and scales)."""
+    """What ``load_model`` read: checkpoint weight tensors read (whole or sliced) and skipped (not held
+    by this rank; a block scale counts with its weight), and the bytes read from the safetensors files
+    as stored (values and scales)."""
 
     tensors_read: int = 0
     tensors_skipped: int = 0
@@ -273,7 +274,7 @@ def load_model(
     for file in tqdm(sorted(by_shard), desc="Loading safetensors shards", unit="shard", disable=None):
         with safe_open(file, framework="pt") as f:
             for name in by_shard[file]:
-                stats.tensors_read += 1
+                stats.tensors_read += not name.endswith(SCALE_SUFFIX)  # a scale is counted with its weight
                 targets = plan_targets[name]
                 sliced = f.get_slice(name) if all(t.source for t in targets) else None
                 whole = None if sliced is not None else f.get_tensor(name)
