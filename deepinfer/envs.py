@@ -79,6 +79,14 @@ ENV_VARS: dict[str, EnvVar] = {
             "warning that says what is missing).",
         ),
         EnvVar(
+            "DEEPINFER_CPU_ISA",
+            "auto",
+            str.strip,
+            "Instruction set of the fast CPU backend's quantised-weight kernels (fp8_linear, "
+            "grouped_gemm_quant, fused_moe_quant): auto (the best this CPU supports, by cpuid) | avx512 | "
+            "avx2 | generic (portable C++). A choice the CPU cannot run is an error when the op runs.",
+        ),
+        EnvVar(
             "DEEPINFER_CONFORMANCE_DTYPES",
             "float32,bfloat16",
             str.strip,

@@ -23,6 +23,9 @@ import-light so the platform can ask ``native.toolchain_problem()`` first. What 
   one with many goes to MKL over its gathered rows; no argsort, no Python loop over experts and no host
   synchronisation (``moe``).
 - ``greedy``: a row's argmax by a vector scan (torch's compares one element at a time).
+- ``fp8_linear``, ``fp8_linear_w8a8``, ``grouped_gemm_quant``, ``fused_moe_quant``: FP8 / MXFP4 weights
+  kept as stored and decoded per vector in registers, the instruction set chosen at run time
+  (``quant``).
 
 Decode steps run as CPU graphs (``graph``): the step's op calls recorded once per batch size and
 replayed from C++ without Python (``deepinfer.platform.cpu``'s graph wrapper).

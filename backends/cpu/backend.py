@@ -4,7 +4,7 @@ from deepinfer.backends.registry import OpTable
 
 OPS = OpTable("deepinfer.backends.cpu.backend")
 
-from deepinfer.backends.cpu import attention, cache, deterministic, linear, moe, norm, sampling  # noqa: E402  (submodules register into OPS)
+from deepinfer.backends.cpu import attention, cache, deterministic, linear, moe, norm, quant, sampling  # noqa: E402  (submodules register into OPS)
 
 OPS.use_reference_for(
     ["ep_dispatch", "ep_combine", "sample"],
@@ -15,4 +15,4 @@ OPS.use_reference_for(["kv_cache_gather"], "one index_select reads each row once
 # invariant, are in ``deterministic``.
 OPS.declare_invariant(["kv_cache_spec", "kv_cache_write"], "the reference's layout; row copies")
 
-__all__ = ["OPS", "attention", "cache", "deterministic", "linear", "moe", "norm", "sampling"]
+__all__ = ["OPS", "attention", "cache", "deterministic", "linear", "moe", "norm", "quant", "sampling"]
