@@ -40,13 +40,16 @@ Per op:
 
 What emulation proves and what it cannot: tests/ascend run these paths against an emulation of the
 torch_npu ops written from their documentation (shapes, dtypes, argument checks, formulas), so the
-argument plumbing, layouts, scale re-expression and fallbacks are checked on any host; that the device
-kernels compute what their documentation says (rounding, the G-B / MX K-loop order, saturation) and how
-fast, only a 950 / A2 run can show (``ci/ascend.sh``).
+argument plumbing, layouts, scale re-expression, fallbacks and graph capture are checked on any host;
+that the device kernels compute what their documentation says (rounding, the G-B / MX K-loop order,
+saturation, the byte decoders' integer ops), that torch_npu holds float8 tensors on an A2 / A3 at all,
+and how fast, only a 950 / A2 run can show (``tests/ascend/test_quant_on_device.py`` and the
+conformance suite on the device, both run by ``ci/ascend.sh``).
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import weakref
 
@@ -83,8 +86,10 @@ FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # ------------------------------------------------------------------------------------------- chips
 
 
+@functools.cache
 def chip() -> str:
-    """The chip-table key of NPU 0 (``deepinfer.platform.chips``), from ``torch.npu.get_device_name``."""
+    """The chip-table key of NPU 0 (``deepinfer.platform.chips``), from ``torch.npu.get_device_name``
+    (read once per process: every NPU of a host is the same chip; ``chip.cache_clear()`` re-reads)."""
     from deepinfer.platform.ascend import chip_from_device_name
 
     torch_npu()  # importing torch_npu creates torch.npu

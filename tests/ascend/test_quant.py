@@ -43,10 +43,16 @@ def quant(npu_emulation: None) -> Any:
 
 
 @pytest.fixture
-def device(npu_emulation: None) -> Iterator[Callable[[str], None]]:
-    """Set the emulated chip; restored to the A2 default after the test."""
-    yield emulation.set_device_name
-    emulation.set_device_name(A2)
+def device(quant: Any) -> Iterator[Callable[[str], None]]:
+    """Set the emulated chip (and make the backend read it again); the A2 default is restored after."""
+
+    def set_chip(name: str) -> None:
+        emulation.set_device_name(name)
+        quant.chip.cache_clear()
+
+    set_chip(A2)
+    yield set_chip
+    set_chip(A2)
 
 
 @pytest.fixture
