@@ -115,6 +115,8 @@ def check_pair(values: Tensor, scale: Tensor, fmt: WeightFormat, what: str = "we
         raise ValueError(f"{what}: values {tuple(values.shape)} and scale {tuple(scale.shape)} disagree")
     n, stored_k = values.shape[-2:]
     k = stored_k * 2 if fmt.kind == "mxfp4" else stored_k
+    if fmt.kind == "mxfp4" and k % MX_BLOCK:
+        raise ValueError(f"{what}: mxfp4 needs K a multiple of {MX_BLOCK}, got {k} ({stored_k} bytes a row)")
     if tuple(scale.shape[-2:]) != fmt.scale_shape(n, k):
         raise ValueError(
             f"{what}: scale has shape {tuple(scale.shape[-2:])}, expected {fmt.scale_shape(n, k)} for a "
@@ -134,10 +136,10 @@ def expand_scale(scale: Tensor, block: tuple[int, int], n: int, k: int) -> Tenso
 
 
 def e8m0_to_float(exponents: Tensor) -> Tensor:
-    """uint8 e8m0 biased exponents -> float32 ``2 ** (e - 127)``."""
-    return torch.ldexp(
-        torch.ones(exponents.shape, dtype=torch.float32, device=exponents.device), exponents.int() - E8M0_BIAS
-    )
+    """uint8 e8m0 biased exponents -> float32 ``2 ** (e - 127)``; 0xFF is NaN (OCP MX)."""
+    ones = torch.ones(exponents.shape, dtype=torch.float32, device=exponents.device)
+    scale = torch.ldexp(ones, exponents.int() - E8M0_BIAS)
+    return scale.masked_fill(exponents == 0xFF, float("nan"))
 
 
 def unpack_e2m1(packed: Tensor) -> Tensor:
