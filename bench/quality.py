@@ -22,6 +22,7 @@ import argparse
 import json
 import math
 import statistics
+import subprocess
 from pathlib import Path
 
 from deepinfer import LLM, SamplingParams
@@ -104,6 +105,15 @@ def weights_held(llm: LLM) -> dict:
             "quantised_bytes": memory.quantised_bytes, "by_dtype": memory.by_dtype}  # fmt: skip
 
 
+def cpu_model() -> str:
+    """``lscpu``'s "Model name" (the host's CPU: ratios move with it, FACTS.md)."""
+    out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=30, check=True).stdout
+    for line in out.splitlines():
+        if line.startswith("Model name:"):
+            return line.split(":", 1)[1].strip()
+    raise RuntimeError("lscpu printed no 'Model name:' line")
+
+
 def compare(args: argparse.Namespace) -> None:
     """``--reference``: both models on the same held-out windows; writes ``--out``."""
     sides, windows, env = {}, None, None
@@ -120,7 +130,7 @@ def compare(args: argparse.Namespace) -> None:
             "weights": weights_held(llm),
             "scores": scores,
         }
-        env = environment(llm.engine)
+        env, op_backend = environment(llm.engine), llm.engine.platform.op_backend
         llm.close()
     ref, ours = sides["reference"].pop("scores"), sides["model"].pop("scores")
     result = {
@@ -132,7 +142,7 @@ def compare(args: argparse.Namespace) -> None:
         "heldout_tokens": len(ours),
         "windows": args.windows,
         "window_len": args.window_len,
-        "env": {**env, "cpu": env["device"]},
+        "env": {**env, "cpu": cpu_model(), "op_backend": op_backend},
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2, default=str))

@@ -329,14 +329,14 @@ def _quality_lines(quality: dict[str, Any] | None) -> list[str]:
         f"| {Path(ref['model']).name} (float32) | {ref['perplexity']:.3f} | {ref['top1_accuracy']:.4f} |",
         f"| {Path(fp8['model']).name} | {fp8['perplexity']:.3f} | {fp8['top1_accuracy']:.4f} |",
         "",
-        f"Perplexity ratio {quality['perplexity_ratio']:.4f} ({(quality['perplexity_ratio'] - 1) * 100:+.2f}%); "
+        f"Perplexity ratio {quality['perplexity_ratio']:.5f} ({(quality['perplexity_ratio'] - 1) * 100:+.3f}%); "
         f"the two models' top-1 predictions agree on {quality['top1_agreement']:.4f} of positions; mean",
         f"|log p difference| of the actual token {quality['mean_abs_logprob_diff']:.4f} nats.",
         f"The engine held the FP8 model's weights as: {fp8['weights']['summary']} "
         f"({fp8['weights']['total_bytes']:,} bytes, {fp8['weights']['quantised_bytes']:,} of them FP8 values and "
         f"scales; the float32 model: {ref['weights']['total_bytes']:,}).",
-        f"Measured at commit {quality['env']['git_commit']} on {quality['env']['cpu']} "
-        "(`bench/results/quality_fp8.json`).",
+        f"Measured at commit {quality['env']['git_commit']} on {quality['env']['cpu']}, op backend "
+        f"`{quality['env']['op_backend']}` (`bench/results/quality_fp8.json`).",
     ]
     return lines
 
