@@ -78,7 +78,10 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--accelerator", help="cpu | nvidia | ascend | auto (default: DEEPINFER_ACCELERATOR)")
     parser.add_argument(
-        "--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"], help="weights' dtype"
+        "--dtype",
+        default="auto",
+        choices=["auto", "float32", "bfloat16", "float16"],
+        help="model dtype: activations, and the weights not kept quantised",
     )
     add_weights_argument(parser)
     parser.add_argument("--stream", action="store_true", help="print text as it is generated")
@@ -87,15 +90,12 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def add_weights_argument(parser: argparse.ArgumentParser) -> None:
-    """``--weights``, shared by ``deepinfer run`` and ``deepinfer serve``."""
-    parser.add_argument(
-        "--weights",
-        default="as-stored",
-        choices=["as-stored", "bf16", "fp32"],
-        help="quantised (FP8/MXFP4) checkpoint weights: as-stored keeps them in low precision where the "
-        "backend has kernels for them (else dequantises them at load, and says so); bf16 / fp32 "
-        "dequantise them at load into that dtype (the model dtype follows)",
-    )
+    """``--weights`` (``EngineConfig.weights``), for ``deepinfer run`` and ``deepinfer serve``."""
+    from typing import get_args
+
+    from deepinfer.config import WEIGHTS_HELP, Weights
+
+    parser.add_argument("--weights", default="as-stored", choices=list(get_args(Weights)), help=WEIGHTS_HELP)
 
 
 def _read_prompts(args: argparse.Namespace) -> list[str]:

@@ -13,6 +13,11 @@ DType = Literal["auto", "float32", "bfloat16", "float16"]
 # backend has kernels for them, or dequantised at load into bfloat16 / float32.
 Weights = Literal["as-stored", "bf16", "fp32"]
 WEIGHTS_DTYPES = {"bf16": "bfloat16", "fp32": "float32"}
+WEIGHTS_HELP = (
+    "quantised (FP8/MXFP4) checkpoint weights: as-stored keeps them in low precision where the backend has "
+    "kernels for them (else dequantises them at load, and says so); bf16 / fp32 dequantise them at load into "
+    "that dtype (the model dtype follows)"
+)
 
 
 class EngineConfig(BaseModel):

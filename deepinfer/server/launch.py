@@ -13,10 +13,10 @@ import os
 import socket
 import sys
 from pathlib import Path
+from typing import get_args
 
 from deepinfer import envs
-from deepinfer.cli import add_weights_argument
-from deepinfer.config import EngineConfig
+from deepinfer.config import WEIGHTS_HELP, EngineConfig, Weights
 from deepinfer.model_zoo import model_argument
 from deepinfer.server.config import ServerConfig
 from deepinfer.web.auth import load_cluster_secret
@@ -123,9 +123,12 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--accelerator", help="cpu | nvidia | ascend | auto (default: DEEPINFER_ACCELERATOR)")
     parser.add_argument(
-        "--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"], help="weights' dtype"
+        "--dtype",
+        default="auto",
+        choices=["auto", "float32", "bfloat16", "float16"],
+        help="model dtype: activations, and the weights not kept quantised",
     )
-    add_weights_argument(parser)
+    parser.add_argument("--weights", default="as-stored", choices=list(get_args(Weights)), help=WEIGHTS_HELP)
     parser.add_argument(
         "--kv-cache-memory-gib",
         type=float,

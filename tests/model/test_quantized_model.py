@@ -360,3 +360,87 @@ def test_missing_values_of_mxfp4_experts_are_named(hf, tmp_path: Path, reference
         match=r"missing tensors for: model\.layers\.2\.mlp\.experts\.\{e\}\.down_proj\.weight",
     ):
         load_model(path, torch.float32)
+
+
+# ---------------------------------------------------------------------------------- the startup line
+
+
+@pytest.fixture(scope="module")
+def cli_model(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tokenizer-carrying tiny model, quantised to FP8 32x32."""
+    import shutil
+
+    from safetensors.torch import load_file
+
+    dst = tmp_path_factory.mktemp("cli") / "q"
+    path = write_quantised(load_file(tiny_model / "model.safetensors"), tiny_model, dst, block=32)
+    for extra in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        shutil.copy(tiny_model / extra, path / extra)
+    return path
+
+
+CLI_ENV = {
+    "DEEPINFER_ACCELERATOR": "cpu",
+    "DEEPINFER_CPU_BACKEND": "reference",
+    "DEEPINFER_MALLOC_TUNING": "0",
+}
+
+
+def test_run_cli_startup_line_says_what_was_chosen(cli_model: Path) -> None:
+    import os
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO_ROOT
+
+    def run(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [sys.executable, "-m", "deepinfer.run", "--model", str(cli_model), "--max-tokens", "2", *args, "def f():"],
+            cwd=REPO_ROOT, capture_output=True, text=True, timeout=300, env={**os.environ, **CLI_ENV},
+        )  # fmt: skip
+
+    stored = run()
+    assert stored.returncode == 0, stored.stderr
+    assert "| weights fp8 32x32 f32 as stored, W8A16" in stored.stderr
+    dequantised = run("--weights", "fp32")
+    assert dequantised.returncode == 0, dequantised.stderr
+    assert "| weights dequantised to float32 (--weights fp32)" in dequantised.stderr
+    bad = run("--weights", "bf16", "--dtype", "float32")
+    assert bad.returncode == 2
+    assert "weights='bf16' dequantises into bfloat16, but dtype='float32'" in bad.stderr
+
+
+def test_serve_banner_says_what_was_chosen(cli_model: Path) -> None:
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import httpx
+
+    from tests.conftest import REPO_ROOT
+    from tests.server.serve_process import free_port
+
+    port = free_port()
+    command = [sys.executable, "-m", "deepinfer.cli", "serve", "--model", str(cli_model), "--port", str(port)]
+    command += ["--max-model-len", "256", "--kv-cache-memory-gib", "0.05", "--weights", "fp32"]
+    proc = subprocess.Popen(
+        command, cwd=REPO_ROOT, env={**os.environ, **CLI_ENV}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        text=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert proc.poll() is None and time.monotonic() < deadline, "the server did not start"
+            time.sleep(0.2)
+    finally:
+        proc.send_signal(signal.SIGINT)
+        output = proc.communicate(timeout=60)[0]
+    banner = next(line for line in output.splitlines() if line.startswith("deepinfer serve: model"))
+    assert "float32, weights dequantised to float32 (--weights fp32)" in banner
