@@ -7,7 +7,8 @@ subnormals; e2m1 by a 16-entry permute) and every product accumulates in float32
 ``SKINNY_ROWS`` activation rows (``MOE_SKINNY_ROWS`` rows of one expert) the weight is streamed once
 per four rows and each K block's partial sum is multiplied by that block's scale inside the K loop: a
 decode token reads a quarter of the fp32 bytes. More rows dequantise one panel of weight rows at a
-time into a thread-local float32 buffer and multiply all rows by it with MKL.
+time (up to 4 MB of float32) into a buffer and multiply all rows by it with oneDNN (MKL where torch
+lacks it).
 
 Instruction set: ``DEEPINFER_CPU_ISA`` (``auto`` picks the best the CPU reports by cpuid: AVX-512,
 else AVX2 + FMA + F16C, else portable C++); every set is compiled into the library whatever the build
@@ -33,11 +34,12 @@ from deepinfer.backends.quant import WeightFormat, dequantize
 
 _native = load()
 
-# Measured on the AMD EPYC (AVX-512, one thread, fp8 128x128 blocks): the few-row kernel against
-# dequantised panels + MKL, per call: 512x192 weights 49 vs 55 us at 16 rows, 94 vs 95 at 32, 187 vs
-# 159 at 64; 2048x2048: 1.6 vs 3.1 ms at 16 rows, 3.2 vs 4.7 at 32, 6.5 vs 7.9 at 64.
-SKINNY_ROWS = 32  # activation rows up to which fp8_linear uses the few-row kernel
-MOE_SKINNY_ROWS = 32  # rows of one expert up to which the MoE ops use it
+# Measured on the AMD EPYC (AVX-512, one thread, fp8 128x128 blocks), per call, the few-row kernel
+# against dequantised panels + oneDNN: 512x192 weights 48 vs 47 us at 16 rows, 70 vs 56 at 24;
+# 128x192 (an expert's gate_up) 14 vs 23 at 16 rows, 27 vs 28 at 32; 2048x2048 1.4 vs 1.9 ms at 16 rows,
+# 2.2 vs 2.2 at 24, 2.9 vs 2.5 at 32.
+SKINNY_ROWS = 16  # activation rows up to which fp8_linear uses the few-row kernel
+MOE_SKINNY_ROWS = 24  # rows of one expert up to which the MoE ops use it (experts are narrow)
 INVARIANT_ROWS = 1 << 62  # deterministic mode: every row count through the few-row kernel
 
 ISAS = ("generic", "avx2", "avx512")  # DEEPINFER_CPU_ISA names, by the kernels' codes
