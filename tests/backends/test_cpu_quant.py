@@ -192,3 +192,29 @@ def test_bad_inputs_are_value_errors(monkeypatch: pytest.MonkeyPatch) -> None:
         )
     with pytest.raises(ValueError, match="group_sizes sum"):
         FAST.grouped_gemm_quant(torch.randn(3, dim), w13, s13, fmt, torch.tensor([1, 1, 0, 0, 0, 0]))
+
+
+def test_the_ops_replay_in_a_cpu_graph() -> None:
+    """A decode step runs as a CPU graph: each op is one native call that records and replays (no host
+    read, no tensor made from host data), its replay equal to a fresh eager call."""
+    from deepinfer.backends.cpu.graph import CpuGraph
+
+    fmt = FORMATS[2]
+    dim, w13, s13, w2, s2 = _moe_inputs(fmt)
+    weight, scale = _quantized(FORMATS[0], 200, dim)
+    hidden = torch.randn(3, dim)
+    ids = torch.randint(0, 6, (3, 4))
+    weights = torch.rand(3, 4)
+
+    def step():
+        projected = FAST.fp8_linear(hidden, weight, scale, FORMATS[0].block, None)
+        return projected, FAST.fused_moe_quant(hidden, w13, s13, w2, s2, fmt, weights, ids)
+
+    with torch.inference_mode():
+        graph = CpuGraph()
+        captured = graph.capture(step)
+        for seed in range(2):
+            hidden.copy_(torch.randn(hidden.shape, generator=torch.Generator().manual_seed(seed)))
+            graph.replay()
+            for got, want in zip(captured, step()):
+                assert torch.equal(got, want)
