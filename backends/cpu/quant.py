@@ -61,17 +61,11 @@ def isa_code() -> int:
     return ISAS.index(name)
 
 
-def _fp8_block(block: tuple[int, int]) -> tuple[int, int]:
-    if len(block) != 2:
-        raise ValueError(f"fp8_linear: block must be (bn, bk), got {block!r}")
-    return int(block[0]), int(block[1])
-
-
 def _linear(
     x: Tensor, weight: Tensor, weight_scale: Tensor, block: tuple[int, int], bias: Tensor | None, rows: int
 ):
-    bn, bk = _fp8_block(block)
-    return _native.quant_linear(x, weight, weight_scale, 0, bn, bk, bias, isa_code(), rows)
+    # The native op checks the block, the pair and x (ValueError naming what is wrong).
+    return _native.quant_linear(x, weight, weight_scale, 0, block[0], block[1], bias, isa_code(), rows)
 
 
 @OPS.implement
@@ -84,7 +78,7 @@ def fp8_linear(
 def _w8a8(x_values, x_scale, weight, weight_scale, block, bias, out_dtype, rows: int) -> Tensor:
     # No FP8 multiplier on a CPU: the activations are dequantised (a few rows x K) and the W8A16 kernel
     # runs; the weight stays FP8.
-    x = dequantize(x_values, x_scale, WeightFormat("fp8", (1, _fp8_block(block)[1])))
+    x = dequantize(x_values, x_scale, WeightFormat("fp8", (1, block[1])))
     return _linear(x, weight, weight_scale, block, bias, rows).to(out_dtype)
 
 
