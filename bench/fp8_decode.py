@@ -198,14 +198,15 @@ def main() -> None:
         if args.gguf
         else "skipped: no --gguf given",
     }
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.scenarios:
             count, output_len = shapes[name]
             prompts = Workload(count, length, output_len, seed=0).prompts(tokenizer)
             result[name] = scenario(name, prompts, output_len, args, Path(tmp))
-    result["load_average_after"] = os.getloadavg()
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2, default=str) + "\n")
+            result["load_average_after"] = os.getloadavg()
+            # written after each scenario: a run stopped in the next one keeps what it measured
+            Path(args.out).write_text(json.dumps(result, indent=2, default=str) + "\n")
     print(json.dumps({n: {"ratios": result[n]["ratios"], "goals": result[n]["goals"]} for n in args.scenarios}, indent=2))  # fmt: skip
 
 
