@@ -607,11 +607,18 @@ def _special_groups(x: Tensor, group: int) -> None:
 
 @nan_filled_memory()
 def check_quant_fp8_group(
-    ops: OpTable, device: torch.device, dtype: torch.dtype, rows: int, k: int, group: int, case: str
+    ops: OpTable,
+    device: torch.device,
+    dtype: torch.dtype,
+    rows: int,
+    k: int,
+    group: int,
+    case: str,
+    ue8m0_modes: tuple[bool, ...] = (False, True),
 ) -> None:
-    """Bit-exact against the reference (it is a pure function), values and scales, f32 and ue8m0; and,
-    independently of the reference, that every scale is max(group amax, 1e-4) / 448 (f32) or a power
-    of two in [that, twice that) (ue8m0)."""
+    """Bit-exact against the reference (it is a pure function), values and scales, for each of
+    ``ue8m0_modes`` (f32 and ue8m0 scales); and, independently of the reference, that every scale is
+    max(group amax, 1e-4) / 448 (f32) or a power of two in [that, twice that) (ue8m0)."""
     gen = generator(case)
     x = randn(gen, rows, k) * block_magnitudes(gen, (), rows, k, (1, group))
     _special_groups(x, group)
@@ -620,7 +627,7 @@ def check_quant_fp8_group(
     padded = x.new_zeros(rows, cols * group)
     padded[:, :k] = x
     exact = padded.view(rows, cols, group).abs().amax(dim=-1).clamp(min=1e-4) / 448.0
-    for ue8m0 in (False, True):
+    for ue8m0 in ue8m0_modes:
         name = f"quant_fp8_group[{case}, ue8m0={ue8m0}]"
         poison_device_memory(device)
         values, scale = ops.quant_fp8_group(_on(x, device, dtype), group, ue8m0)

@@ -153,22 +153,31 @@ def test_apply_token_bitmask(target: Target) -> None:
     checks.check_apply_token_bitmask(target.ops, target.device, "bitmask")
 
 
-# Quantised weights (issue 29). (name, rows, K): N and K not multiples of the 128 or 32 blocks, a
-# 4096-row batch at small dims, and DeepSeek-V3 widths.
-QUANT_GROUP_DIMS = [("small", 13, 200), ("rows4096", 4096, 48), ("deepseek_v3", 4, 7168)]
-# (name, K, N, row counts): odd, many rows, V3's kv_a_proj_with_mqa (7168 -> 576).
-QUANT_LINEAR_DIMS = [
-    ("small", 328, 200, checks.QUANT_ROWS),  # scale grids 2x3 (128) and 7x11 (32), partial last blocks
-    ("rows4096", 96, 40, (4096,)),
-    ("deepseek_v3", 7168, 576, (5,)),  # kv_a_proj_with_mqa: a partial N block
+# Quantised weights (issue 29): N and K not multiples of the 128 or 32 blocks, every format; DeepSeek
+# widths in the formats that ship at them; 4096 rows once per op (test_quant_ops_at_4096_rows: one
+# dtype, small dims, as Triton's interpreter runs a Python loop per program).
+# (name, rows, K)
+QUANT_GROUP_DIMS = [("small", 13, 200), ("deepseek_v3", 4, 7168)]
+# (name, K, N, row counts, formats): scale grids 2x3 (128) and 7x11 (32) with partial last blocks;
+# V3's kv_a_proj_with_mqa (7168 -> 576, a partial N block) in V3's and V3.1's 128x128 formats.
+QUANT_LINEAR_CASES = [
+    *(("small", 328, 200, checks.QUANT_ROWS, f) for f in FP8_FORMATS),
+    *(("deepseek_v3", 7168, 576, (5,), f) for f in FP8_FORMATS if f.block == (128, 128)),
 ]
-# (MoE shape, rows or tokens, with_remote)
-QUANT_MOE_CASES = [("odd", 1, False), ("odd", 37, False), ("odd", 13, True), ("rows4096", 4096, False),
-                   ("deepseek_v3", 37, False)]  # fmt: skip
+# (MoE shape, rows or tokens, with_remote, formats): V3 routing in V3.1's FP8 and V4's MXFP4 experts.
+QUANT_MOE_CASES = [
+    *((shape, rows, remote, f) for shape, rows, remote in (("odd", 1, False), ("odd", 37, False),
+      ("odd", 13, True)) for f in QUANT_FORMATS),
+    *(("deepseek_v3", 37, False, f) for f in QUANT_FORMATS if format_id(f) in ("fp8-128x128-ue8m0", "mxfp4")),
+]  # fmt: skip
 
 
-def quant_moe_id(case: tuple[str, int, bool]) -> str:
-    return f"{case[0]}-{case[1]}{'-remote' if case[2] else ''}"
+def quant_linear_id(case) -> str:
+    return f"{case[0]}-{case[1]}x{case[2]}-{format_id(case[4])}"
+
+
+def quant_moe_id(case) -> str:
+    return f"{case[0]}-{case[1]}{'-remote' if case[2] else ''}-{format_id(case[3])}"
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -181,43 +190,65 @@ def test_quant_fp8_group(target: Target, dtype: str, group: int, dims) -> None:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("fmt", FP8_FORMATS, ids=format_id)
-@pytest.mark.parametrize("dims", QUANT_LINEAR_DIMS, ids=lambda d: f"{d[0]}-{d[1]}x{d[2]}")
-def test_fp8_linear(target: Target, dtype: str, fmt, dims) -> None:
-    name, k, n, rows = dims
-    case = f"fp8_linear-{name}-{k}x{n}-{format_id(fmt)}-{dtype}"
+@pytest.mark.parametrize("linear", QUANT_LINEAR_CASES, ids=quant_linear_id)
+def test_fp8_linear(target: Target, dtype: str, linear) -> None:
+    _, k, n, rows, fmt = linear
+    case = f"fp8_linear-{quant_linear_id(linear)}-{dtype}"
     checks.check_fp8_linear(target.ops, target.device, _dtype(target, dtype), fmt, k, n, rows, case)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("fmt", FP8_FORMATS, ids=format_id)
-@pytest.mark.parametrize("dims", QUANT_LINEAR_DIMS, ids=lambda d: f"{d[0]}-{d[1]}x{d[2]}")
-def test_fp8_linear_w8a8(target: Target, dtype: str, fmt, dims) -> None:
-    name, k, n, rows = dims
-    case = f"fp8_w8a8-{name}-{k}x{n}-{format_id(fmt)}-{dtype}"
+@pytest.mark.parametrize("linear", QUANT_LINEAR_CASES, ids=quant_linear_id)
+def test_fp8_linear_w8a8(target: Target, dtype: str, linear) -> None:
+    _, k, n, rows, fmt = linear
+    case = f"fp8_w8a8-{quant_linear_id(linear)}-{dtype}"
     checks.check_fp8_linear_w8a8(target.ops, target.device, _dtype(target, dtype), fmt, k, n, rows, case)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("fmt", QUANT_FORMATS, ids=format_id)
 @pytest.mark.parametrize("moe", [c for c in QUANT_MOE_CASES if not c[2]], ids=quant_moe_id)
-def test_grouped_gemm_quant(target: Target, dtype: str, fmt, moe) -> None:
-    name, rows, _ = moe
-    case = f"ggq-{quant_moe_id(moe)}-{format_id(fmt)}-{dtype}"
+def test_grouped_gemm_quant(target: Target, dtype: str, moe) -> None:
+    name, rows, _, fmt = moe
+    case = f"ggq-{quant_moe_id(moe)}-{dtype}"
     checks.check_grouped_gemm_quant(
         target.ops, target.device, _dtype(target, dtype), fmt, quant_moe(name, fmt), rows, case
     )
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("fmt", QUANT_FORMATS, ids=format_id)
 @pytest.mark.parametrize("moe", QUANT_MOE_CASES, ids=quant_moe_id)
-def test_fused_moe_quant(target: Target, dtype: str, fmt, moe) -> None:
-    name, tokens, remote = moe
-    case = f"moeq-{quant_moe_id(moe)}-{format_id(fmt)}-{dtype}"
+def test_fused_moe_quant(target: Target, dtype: str, moe) -> None:
+    name, tokens, remote, fmt = moe
+    case = f"moeq-{quant_moe_id(moe)}-{dtype}"
     checks.check_fused_moe_quant(
         target.ops, target.device, _dtype(target, dtype), fmt, quant_moe(name, fmt), tokens, remote, case
     )
+
+
+FORMAT = {format_id(f): f for f in QUANT_FORMATS}
+
+
+@pytest.mark.parametrize(
+    ("op", "fmt_id"),
+    [("quant_fp8_group", "ue8m0"), ("fp8_linear", "fp8-128x128-f32"), ("fp8_linear_w8a8", "fp8-32x32-ue8m0"),
+     ("grouped_gemm_quant", "mxfp4"), ("fused_moe_quant", "fp8-128x128-ue8m0"), ("fused_moe_quant", "mxfp4")],
+    ids=lambda v: v,
+)  # fmt: skip
+def test_quant_ops_at_4096_rows(target: Target, op: str, fmt_id: str) -> None:
+    """4096 rows (tokens) at small dims, in the first dtype under test."""
+    ops, device, dtype = target.ops, target.device, target.dtypes[0]
+    case = f"q4096-{op}-{fmt_id}-{dtype}"
+    if op == "quant_fp8_group":
+        checks.check_quant_fp8_group(ops, device, dtype, 4096, 48, 128, case, ue8m0_modes=(True,))
+    elif op in ("fp8_linear", "fp8_linear_w8a8"):
+        check = checks.check_fp8_linear if op == "fp8_linear" else checks.check_fp8_linear_w8a8
+        check(ops, device, dtype, FORMAT[fmt_id], 96, 40, (4096,), case)
+    elif op == "grouped_gemm_quant":
+        fmt = FORMAT[fmt_id]
+        checks.check_grouped_gemm_quant(ops, device, dtype, fmt, quant_moe("rows4096", fmt), 4096, case)
+    else:
+        fmt = FORMAT[fmt_id]
+        checks.check_fused_moe_quant(ops, device, dtype, fmt, quant_moe("rows4096", fmt), 4096, False, case)
 
 
 def test_every_interface_op_is_covered() -> None:
