@@ -277,14 +277,19 @@ def load_model(
                 stats.tensors_read += not name.endswith(SCALE_SUFFIX)  # a scale is counted with its weight
                 targets = plan_targets[name]
                 sliced = f.get_slice(name) if all(t.source for t in targets) else None
-                whole = None if sliced is not None else f.get_tensor(name)
+                whole = None
                 for target in targets:
-                    part = sliced[target.source] if sliced is not None else whole
-                    assert part is not None
-                    if sliced is not None or target is targets[0]:
-                        stats.bytes_read += part.numel() * part.element_size()
                     param = params[target.param]
-                    tensor = _prepare(ckpt, name, part, target, param, config, quantised, stats)
+                    if sliced is not None:
+                        part = sliced[target.source]
+                        stats.bytes_read += part.numel() * part.element_size()
+                        tensor = _prepare(ckpt, name, part, target, param, config, quantised, stats)
+                    elif whole is None:  # read (and dequantised) once for all its targets
+                        part = f.get_tensor(name)
+                        stats.bytes_read += part.numel() * part.element_size()
+                        tensor = whole = _prepare(ckpt, name, part, target, param, config, quantised, stats)
+                    else:
+                        tensor = whole
                     _assign(param, target, tensor, name)
                     if target.param in covered:
                         cover = covered[target.param]

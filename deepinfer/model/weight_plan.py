@@ -27,12 +27,15 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
 
 from deepinfer.backends.quant import WeightFormat
 from deepinfer.logger import get_logger
+
+if TYPE_CHECKING:
+    from deepinfer.backends.registry import OpTable
 
 logger = get_logger(__name__)
 
@@ -164,7 +167,7 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def has_kernel(table, op: str) -> bool:
+def has_kernel(table: OpTable, op: str) -> bool:
     """Whether the op table runs its own implementation of ``op`` (the reference backend always
     counts: it is the oracle)."""
     return table.backend == REFERENCE_BACKEND or op not in table.reference_fallbacks
@@ -176,7 +179,7 @@ def plan_weights(
     quantised: frozenset[str],
     choice: str,
     dtype: torch.dtype,
-    table,
+    table: OpTable,
     fp8_math: bool,
 ) -> WeightPlan:
     """Decide what stays quantised (module docstring). ``table``: the active op table; ``fp8_math``:
