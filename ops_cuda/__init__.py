@@ -39,7 +39,7 @@ OPS.declare_invariant(
 OPS.declare_invariant(["sample"], "one program per row; counter-based noise")
 OPS.declare_invariant(
     ["quant_fp8_group"],
-    "one program per (row, chunk of groups): each group's amax and scale from its row alone",
+    "each (row, group) amax and scale computed from that row's group alone, no cross-row arithmetic",
 )
 OPS.declare_invariant(["ep_dispatch"], "row copies and exchange")
 OPS.declare_invariant(

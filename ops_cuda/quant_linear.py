@@ -2,7 +2,7 @@
 
 Ops (semantics in ``deepinfer.backends.ops``, formats in ``deepinfer.backends.quant``):
 
-- ``quant_fp8_group``: DeepSeek's act_quant, one program per (row, chunk of groups); the e4m3 codes
+- ``quant_fp8_group``: DeepSeek's act_quant, one program per tile of rows x groups; the e4m3 codes
   are computed by bit operations (``quant_codec.e4m3_encode``), bit-identical to the reference.
 - ``fp8_linear`` (W8A16): x stays in its dtype; each weight tile is converted in registers, the
   ``tl.dot`` runs in x's dtype with a float32 accumulator, and each K block's partial product is
@@ -93,6 +93,7 @@ def _quant_fp8_group_kernel(
     x_ptr,
     q_ptr,
     s_ptr,
+    M,
     K,
     num_groups,
     stride_x,
@@ -100,25 +101,32 @@ def _quant_fp8_group_kernel(
     stride_s,
     GROUP: tl.constexpr,
     GROUP_P2: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr,
     GROUPS_PER_PROGRAM: tl.constexpr,
     UE8M0: tl.constexpr,
 ):
     """q[r, c] = e4m3(x[r, c] / s[r, g]) with s[r, g] = max(amax of group g of row r, 1e-4) / 448
-    (rounded up to a power of two with UE8M0)."""
-    row = tl.program_id(0).to(tl.int64)
+    (rounded up to a power of two with UE8M0), for a [BLOCK_ROWS, GROUPS_PER_PROGRAM, GROUP] tile."""
+    rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     groups = tl.program_id(1) * GROUPS_PER_PROGRAM + tl.arange(0, GROUPS_PER_PROGRAM)
     within = tl.arange(0, GROUP_P2)
-    cols = groups[:, None] * GROUP + within[None, :]
-    ok = (groups < num_groups)[:, None] & (within < GROUP)[None, :] & (cols < K)
-    x = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0).to(tl.float32)
-    amax = tl.max(tl.abs(x), axis=1)
+    cols = groups[None, :, None] * GROUP + within[None, None, :]
+    group_ok = (rows < M)[:, None] & (groups < num_groups)[None, :]
+    ok = group_ok[:, :, None] & (within < GROUP)[None, None, :] & (cols < K)
+    row_off = rows.to(tl.int64)[:, None, None]
+    x = tl.load(x_ptr + row_off * stride_x + cols, mask=ok, other=0.0).to(tl.float32)
+    amax = tl.max(tl.abs(x), axis=2)
     scale = tl.math.div_rn(tl.maximum(amax, 1e-4), FP8_MAX)
     if UE8M0:
         scale = round_up_pow2(scale)
-    v = tl.math.div_rn(x, scale[:, None])
+    v = tl.math.div_rn(x, scale[:, :, None])
     v = tl.minimum(tl.maximum(v, -FP8_MAX), FP8_MAX)
-    tl.store(q_ptr + row * stride_q + cols, e4m3_encode(v), mask=ok)
-    tl.store(s_ptr + row * stride_s + groups, scale, mask=groups < num_groups)
+    tl.store(q_ptr + row_off * stride_q + cols, e4m3_encode(v), mask=ok)
+    tl.store(s_ptr + rows.to(tl.int64)[:, None] * stride_s + groups[None, :], scale, mask=group_ok)
+
+
+# elements one quant_fp8_group program covers (rows x groups x group width), at most
+_QUANT_TILE = 4096
 
 
 @OPS.implement
@@ -134,12 +142,14 @@ def quant_fp8_group(x: Tensor, group: int, ue8m0: bool) -> tuple[Tensor, Tensor]
     values = empty((m, k), dtype=FP8_DTYPE, device=x.device)
     scale = empty((m, num_groups), dtype=torch.float32, device=x.device)
     group_p2 = pow2(group)
-    per_program = max(1, min(pow2(num_groups), 4096 // group_p2))
+    per_program = max(1, min(pow2(num_groups), _QUANT_TILE // group_p2))
+    block_rows = max(1, min(pow2(m), _QUANT_TILE // (group_p2 * per_program)))
     if m and k:
-        _quant_fp8_group_kernel[(m, triton.cdiv(num_groups, per_program))](
+        _quant_fp8_group_kernel[(triton.cdiv(m, block_rows), triton.cdiv(num_groups, per_program))](
             x,
             values.view(torch.uint8),
             scale,
+            m,
             k,
             num_groups,
             x.stride(0),
@@ -147,6 +157,7 @@ def quant_fp8_group(x: Tensor, group: int, ue8m0: bool) -> tuple[Tensor, Tensor]
             scale.stride(0),
             GROUP=group,
             GROUP_P2=group_p2,
+            BLOCK_ROWS=block_rows,
             GROUPS_PER_PROGRAM=per_program,
             UE8M0=bool(ue8m0),
             num_warps=4,

@@ -455,3 +455,13 @@ def test_the_invariant_tile_does_not_follow_the_row_count() -> None:
     }
     assert len(fixed) == 1
     assert len({quant_linear.gemm_config(m, 128, 1, DEVICE) for m in (1, 4096)}) == 2
+
+
+@pytest.mark.parametrize(("m", "k", "group"), [(4096, 48, 128), (24, 7168, 128), (3, 40, 32)])
+def test_quant_fp8_group_tiles_rows_and_groups(cuda_ops, nan_outputs, m: int, k: int, group: int) -> None:
+    """Tiles of several rows (many short rows) and of several groups (few long rows) write every element."""
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(k)) * 10
+    values, scale = cuda_ops.quant_fp8_group(x.to(DEVICE), group, True)
+    want_values, want_scale = quantize_activations_fp8(x, group, True)
+    assert torch.equal(values.cpu().view(torch.uint8), want_values.view(torch.uint8))
+    assert torch.equal(scale.cpu(), want_scale)
