@@ -165,10 +165,19 @@ def test_the_fast_cpu_backend_keeps_what_it_has_kernels_for(checkpoints: dict[st
 # ---------------------------------------------------------------------------------- (b) greedy tokens
 
 
-@pytest.mark.parametrize("variant", ["fp8-32x32-f32", "fp8-ue8m0+mxfp4-experts"])
+@pytest.mark.parametrize(
+    ("variant", "backend"),
+    [
+        ("fp8-32x32-f32", "reference"),
+        ("fp8-ue8m0+mxfp4-experts", "reference"),
+        ("fp8-ue8m0+mxfp4-experts", "auto"),
+    ],
+)
 def test_greedy_tokens_agree_over_32_prompts(
-    variant: str, checkpoints: dict[str, Path], reference_backend: None
+    variant: str, backend: str, checkpoints: dict[str, Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """Through ``LLM.generate`` (decode graphs and the CPU backend's own kernels with ``auto``)."""
+    monkeypatch.setenv("DEEPINFER_CPU_BACKEND", backend)
     from deepinfer.llm import LLM
     from deepinfer.sampling_params import SamplingParams
 
