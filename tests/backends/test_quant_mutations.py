@@ -14,6 +14,9 @@ the test expects the check to fail naming that op:
 - ``transposed``: the scale grid read with its strides swapped (as if stored [K blocks, N blocks]);
 - ``nibble_swap``: MXFP4 bytes decoded high nibble first;
 - ``ue8m0_down``: power-of-two activation scales rounded down instead of up.
+
+Also: an output block or scale left unwritten shows up (the checks run over NaN-filled memory), and
+the batch-invariance check catches the reference's fast kernels wrongly declared invariant.
 """
 
 from __future__ import annotations
@@ -256,3 +259,31 @@ def _claims_invariance(names: list[str]) -> OpTable:
 def test_the_invariance_check_catches_batch_variant_quantised_kernels(op: str, fmt: WeightFormat) -> None:
     with pytest.raises(AssertionError, match=rf"{op}(\.out0)?: not batch-invariant"):
         invariance.check_quant(_claims_invariance([op]), CPU, torch.float32, fmt, f"variant-{op}")
+
+
+@FP8_FORMATS
+def test_an_unwritten_partial_last_block_fails(fmt: WeightFormat) -> None:
+    """A kernel that writes whole N blocks only leaves the partial last one as allocated: NaN under
+    the checks' NaN-filled memory, on the CPU too."""
+
+    def fp8_linear(x, weight, weight_scale, block, bias):
+        full = weight.shape[0] // block[0] * block[0]
+        out = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype)
+        out[:, :full] = fp8_linear_with(None)(x, weight[:full], weight_scale[: full // block[0]], block, None)
+        return out if bias is None else out + bias
+
+    with pytest.raises(AssertionError, match=r"fp8_linear\[.*non-finite"):
+        checks.check_fp8_linear(
+            table_with(fp8_linear), CPU, torch.float32, fmt, K, N, checks.QUANT_ROWS, "tail"
+        )
+
+
+def test_an_unwritten_last_group_scale_fails() -> None:
+    def quant_fp8_group(x, group, ue8m0):
+        values, scale = quant_fp8_group_with(None)(x, group, ue8m0)
+        unwritten = torch.empty_like(scale)
+        unwritten[:, :-1] = scale[:, :-1]
+        return values, unwritten
+
+    with pytest.raises(AssertionError, match=r"quant_fp8_group\[.*non-finite"):
+        checks.check_quant_fp8_group(table_with(quant_fp8_group), CPU, torch.float32, 13, K, 128, "unwritten")
