@@ -47,7 +47,7 @@ logger = get_logger(__name__)
 empty = torch.empty
 
 INVARIANT_BLOCK_M = 32  # deterministic mode: one tile height whatever the row count
-FP8_MAX = 448.0
+FP8_MAX = tl.constexpr(448.0)  # e4m3 max finite (a constexpr: kernels read it)
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,20 +69,31 @@ def fp8_dot_supported(device: torch.device) -> bool:
 
 
 def gemm_config(
-    m: int, block_k_scale: int, operand_bytes: int, device: torch.device, block_m: int = 0
+    m: int,
+    block_k_scale: int,
+    operand_bytes: int,
+    device: torch.device,
+    block_m: int = 0,
+    decode: bool = False,
+    converted: tuple[bool, bool] = (False, False),
 ) -> GemmConfig:
-    """Tiles for an [m, K] x [N, K]^T block-scaled GEMM: BLOCK_K divides the scale block (at most 128),
-    BLOCK_M and BLOCK_N follow the row count (16 x 64 at decode, 128 x 128 for prefill) unless
-    ``block_m`` fixes the tile (then BLOCK_N is 128 whatever the row count)."""
+    """Tiles for an [m, K] x [N, K]^T block-scaled GEMM whose dot operands have ``operand_bytes`` per
+    element: BLOCK_K divides the scale block (at most 128; 64 where FP8 is decoded by bit operations
+    (``decode``) or the operands are float32, whose register tiles spill at 128 on SM80), BLOCK_M and
+    BLOCK_N follow the row count (16 x 64 at decode, 128 x 128 for prefill) unless ``block_m`` fixes
+    the tile (then BLOCK_N is 128 whatever the row count). Pipeline stages are sized for shared memory
+    that holds an operand converted in registers (``converted`` = (A, W)) twice: its FP8 bytes as
+    loaded and its converted copy."""
+    most_k = 64 if decode or operand_bytes == 4 else 128
     block_k = 16  # tl.dot needs K >= 16: a smaller scale block is masked inside the tile
-    while block_k * 2 <= min(128, block_k_scale) and block_k_scale % (block_k * 2) == 0:
+    while block_k * 2 <= min(most_k, block_k_scale) and block_k_scale % (block_k * 2) == 0:
         block_k *= 2
     if block_m:  # a fixed tile (deterministic mode): nothing may follow the row count
         block_n = 128
     else:
         block_m = 16 if m <= 16 else 32 if m <= 32 else 64 if m <= 64 else 128
         block_n = 64 if m <= 16 else 128
-    stage = (block_m + block_n) * block_k * operand_bytes
+    stage = block_k * (block_m * (operand_bytes + converted[0]) + block_n * (operand_bytes + converted[1]))
     stages = pipeline_stages(device_limits(device), stage, reserved=block_m * block_n * 4, most=4)
     warps = 8 if block_m * block_n >= 128 * 128 else 4
     return GemmConfig(block_m, block_n, block_k, 8, warps, stages)
@@ -169,8 +180,10 @@ def quant_fp8_group(x: Tensor, group: int, ue8m0: bool) -> tuple[Tensor, Tensor]
 def _load_fp8_as(ptrs, mask, NATIVE_FP8: tl.constexpr, DTYPE: tl.constexpr):
     """Load FP8 values (a float8_e4m3fn pointer with NATIVE_FP8, else a uint8 one) as DTYPE."""
     if NATIVE_FP8:
-        return tl.load(ptrs, mask=mask, other=0.0).to(DTYPE)
-    return e4m3_decode(tl.load(ptrs, mask=mask, other=0)).to(DTYPE)
+        values = tl.load(ptrs, mask=mask, other=0.0).to(DTYPE)
+    else:
+        values = e4m3_decode(tl.load(ptrs, mask=mask, other=0)).to(DTYPE)
+    return values
 
 
 @triton.jit
@@ -282,7 +295,8 @@ def launch_block_scaled_gemm(
     else:
         dot_dtype = _DOT_DTYPES[a.dtype]
         operand_bytes = a.element_size()
-    cfg = gemm_config(m, bk, operand_bytes, a.device, block_m)
+    converted = (w8a8 and not native_fp8, not (w8a8 and native_fp8))
+    cfg = gemm_config(m, bk, operand_bytes, a.device, block_m, decode=not native_fp8, converted=converted)
     out = empty((m, n), dtype=out_dtype, device=a.device)
     if m == 0 or n == 0:
         return out

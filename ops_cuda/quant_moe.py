@@ -45,8 +45,10 @@ _DOT_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloa
 @triton.jit
 def _fp8_tile(w_rows, kk, mask, NATIVE_FP8: tl.constexpr, DTYPE: tl.constexpr):
     if NATIVE_FP8:
-        return tl.load(w_rows + kk[None, :], mask=mask, other=0.0).to(DTYPE)
-    return e4m3_decode(tl.load(w_rows + kk[None, :], mask=mask, other=0)).to(DTYPE)
+        values = tl.load(w_rows + kk[None, :], mask=mask, other=0.0).to(DTYPE)
+    else:
+        values = e4m3_decode(tl.load(w_rows + kk[None, :], mask=mask, other=0)).to(DTYPE)
+    return values
 
 
 @triton.jit
@@ -169,12 +171,16 @@ def _grouped_gemm_quant_kernel(
         tl.store(dst, acc.to(c_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
 
-def _block_k(fmt: WeightFormat, k: int) -> int:
+def _block_k(fmt: WeightFormat, k: int, small: bool) -> int:
+    """K tile: a multiple of the 32-column scale group for MXFP4, a divisor of the scale block for FP8;
+    at most 64 when ``small`` (FP8 decoded by bit operations, or float32 operands: their register tiles
+    spill at 128 on SM80), else 128."""
+    most = 64 if small else 128
     if fmt.kind == "mxfp4":
-        return min(128, max(MX_BLOCK, pow2(k)))  # a multiple of the 32-column scale group
+        return min(most, max(MX_BLOCK, pow2(k)))
     bk = fmt.block[1]
     block_k = 16
-    while block_k * 2 <= min(128, bk) and bk % (block_k * 2) == 0:
+    while block_k * 2 <= min(most, bk) and bk % (block_k * 2) == 0:
         block_k *= 2
     return block_k
 
@@ -201,9 +207,14 @@ def launch_grouped_gemm_quant(
     k = logical_k(weight, fmt)
     c = empty((num_rows, n_out), dtype=a.dtype, device=a.device)
     block_n = 64 if swiglu else 128
-    block_k = _block_k(fmt, k)
+    block_k = _block_k(fmt, k, small=not native_fp8 or a.dtype == torch.float32)
     bn = fmt.block[0]
-    w_bytes = block_n * (block_k // 2 if fmt.kind == "mxfp4" else block_k) * (2 if swiglu else 1)
+    # shared memory per stage: the activation tile and each weight tile's bytes as loaded, plus (as
+    # compiled for SM80/SM86, measured with tests/nvidia/compile_check.py) its copy converted to the
+    # activation dtype; SM89+ keep the converted tile in registers
+    raw = 0.5 if fmt.kind == "mxfp4" else 1.0
+    converted = 0 if native_fp8 else a.element_size()
+    w_bytes = int(block_n * block_k * (raw + converted)) * (2 if swiglu else 1)
     stage_bytes = schedule.block_m * block_k * a.element_size() + w_bytes
     stages = pipeline_stages(device_limits(a.device), stage_bytes)
     num_tiles = schedule.expert.numel()

@@ -35,14 +35,15 @@ ARCH_LIMITS = {
     100: runtime.DeviceLimits(sm_count=148, shared_memory=227 * 1024, capability=(10, 0)),
 }
 TRITON_DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.int32: "i32",
-                 torch.int64: "i64", torch.uint8: "u8", torch.bool: "i1"}  # fmt: skip
+                 torch.int64: "i64", torch.uint8: "u8", torch.bool: "i1", torch.float8_e4m3fn: "fp8e4nv"}  # fmt: skip
 
 
 def _launches(limits: runtime.DeviceLimits, dtype: torch.dtype) -> list[tuple[Any, list, dict]]:
     """Call every op on meta tensors and return the kernel launches they make: (kernel, args, kwargs)."""
     import triton
 
-    from deepinfer.ops_cuda import OPS, grouped_gemm, mla_decode, mla_prefill
+    from deepinfer.backends.quant import WeightFormat
+    from deepinfer.ops_cuda import OPS, grouped_gemm, mla_decode, mla_prefill, quant_linear, quant_moe
 
     recorded: list[tuple[Any, list, dict]] = []
 
@@ -51,7 +52,7 @@ def _launches(limits: runtime.DeviceLimits, dtype: torch.dtype) -> list[tuple[An
 
     triton.runtime.jit.JITFunction.run = record
     runtime.device_limits = lambda device: limits
-    for module in (mla_decode, mla_prefill, grouped_gemm):
+    for module in (mla_decode, mla_prefill, grouped_gemm, quant_linear, quant_moe):
         module.device_limits = runtime.device_limits
     checked = runtime.check_device
     for name, module in list(sys.modules.items()):
@@ -90,6 +91,23 @@ def _launches(limits: runtime.DeviceLimits, dtype: torch.dtype) -> list[tuple[An
     ops["sample"](t(64, 129280, dt=torch.float32), t(64, dt=torch.float32), t(64, dt=torch.int32),
                   t(64, dt=torch.float32), t(64, dt=torch.float32), t(64, dt=torch.int64), t(64, dt=torch.int64))  # fmt: skip
     ops["apply_token_bitmask"](t(64, 129280, dt=torch.float32), t(64, 4040, dt=torch.int32))
+    # Quantised weights (FP8 loaded natively from SM89 on, as bytes decoded by bit operations before).
+    fp8, f32, u8 = torch.float8_e4m3fn, torch.float32, torch.uint8
+    weight, scale = t(hidden, hidden, dt=fp8), t(56, 56, dt=f32)
+    ops["quant_fp8_group"](t(tokens, hidden), 128, True)
+    ops["fp8_linear"](t(tokens, hidden), weight, scale, (128, 128), None)
+    ops["fp8_linear"](t(1, hidden), weight, scale, (128, 128), None)  # decode tiles
+    ops["fp8_linear"](t(tokens, hidden), weight, t(224, 224, dt=f32), (32, 32), None)  # V4.1 blocks
+    ops["fp8_linear_w8a8"](
+        t(tokens, hidden, dt=fp8), t(tokens, 56, dt=f32), weight, scale, (128, 128), None, dtype
+    )
+    route = (t(tokens, 8, dt=f32), t(tokens, 8, dt=torch.int32))
+    ops["fused_moe_quant"](t(tokens, hidden), t(experts, 2 * inter, hidden, dt=fp8), t(experts, 32, 56, dt=f32),
+                           t(experts, hidden, inter, dt=fp8), t(experts, 56, 16, dt=f32),
+                           WeightFormat("fp8", (128, 128)), *route)  # fmt: skip
+    ops["fused_moe_quant"](t(tokens, hidden), t(experts, 2 * inter, hidden // 2, dt=u8),
+                           t(experts, 2 * inter, hidden // 32, dt=u8), t(experts, hidden, inter // 2, dt=u8),
+                           t(experts, hidden, inter // 32, dt=u8), WeightFormat("mxfp4", (1, 32), "ue8m0"), *route)  # fmt: skip
     return recorded
 
 
@@ -144,7 +162,8 @@ def compile_all(arch: int, dtype: torch.dtype) -> list[dict[str, Any]]:
         spills = sum(int(n) for n in re.findall(r"(\d+) bytes spill stores", log.getvalue()))
         reports.append({
             "kernel": kernel.fn.__name__,
-            "constexprs": {k: v for k, v in constexprs.items() if k.isupper()},
+            "constexprs": {k: v if isinstance(v, (bool, int, float, str)) else str(v)  # tl dtypes by name
+                           for k, v in constexprs.items() if k.isupper()},
             **options,
             "shared": compiled.metadata.shared,
             "shared_limit": limits.shared_memory,

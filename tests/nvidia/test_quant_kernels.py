@@ -465,3 +465,9 @@ def test_quant_fp8_group_tiles_rows_and_groups(cuda_ops, nan_outputs, m: int, k:
     want_values, want_scale = quantize_activations_fp8(x, group, True)
     assert torch.equal(values.cpu().view(torch.uint8), want_values.view(torch.uint8))
     assert torch.equal(scale.cpu(), want_scale)
+
+
+def test_byte_decoded_and_float32_tiles_are_64_deep() -> None:
+    assert quant_linear.gemm_config(4096, 128, 2, DEVICE, decode=True).block_k == 64
+    assert quant_linear.gemm_config(4096, 128, 4, DEVICE).block_k == 64
+    assert quant_linear.gemm_config(4096, 128, 1, DEVICE).block_k == 128
