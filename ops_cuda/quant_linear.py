@@ -75,15 +75,14 @@ def gemm_config(
     device: torch.device,
     block_m: int = 0,
     decode: bool = False,
-    converted: tuple[bool, bool] = (False, False),
+    smem_bytes: tuple[float, float] | None = None,
 ) -> GemmConfig:
     """Tiles for an [m, K] x [N, K]^T block-scaled GEMM whose dot operands have ``operand_bytes`` per
     element: BLOCK_K divides the scale block (at most 128; 64 where FP8 is decoded by bit operations
     (``decode``) or the operands are float32, whose register tiles spill at 128 on SM80), BLOCK_M and
     BLOCK_N follow the row count (16 x 64 at decode, 128 x 128 for prefill) unless ``block_m`` fixes
-    the tile (then BLOCK_N is 128 whatever the row count). Pipeline stages are sized for shared memory
-    that holds an operand converted in registers (``converted`` = (A, W)) twice: its FP8 bytes as
-    loaded and its converted copy."""
+    the tile (then BLOCK_N is 128 whatever the row count). Pipeline stages are sized by ``smem_bytes``:
+    the shared memory per element of the A and W tiles (default: ``operand_bytes`` each)."""
     most_k = 64 if decode or operand_bytes == 4 else 128
     block_k = 16  # tl.dot needs K >= 16: a smaller scale block is masked inside the tile
     while block_k * 2 <= min(most_k, block_k_scale) and block_k_scale % (block_k * 2) == 0:
@@ -93,7 +92,8 @@ def gemm_config(
     else:
         block_m = 16 if m <= 16 else 32 if m <= 32 else 64 if m <= 64 else 128
         block_n = 64 if m <= 16 else 128
-    stage = block_k * (block_m * (operand_bytes + converted[0]) + block_n * (operand_bytes + converted[1]))
+    a_bytes, w_bytes = smem_bytes if smem_bytes is not None else (operand_bytes, operand_bytes)
+    stage = int(block_k * (block_m * a_bytes + block_n * w_bytes))
     stages = pipeline_stages(device_limits(device), stage, reserved=block_m * block_n * 4, most=4)
     warps = 8 if block_m * block_n >= 128 * 128 else 4
     return GemmConfig(block_m, block_n, block_k, 8, warps, stages)
@@ -295,8 +295,13 @@ def launch_block_scaled_gemm(
     else:
         dot_dtype = _DOT_DTYPES[a.dtype]
         operand_bytes = a.element_size()
-    converted = (w8a8 and not native_fp8, not (w8a8 and native_fp8))
-    cfg = gemm_config(m, bk, operand_bytes, a.device, block_m, decode=not native_fp8, converted=converted)
+    # shared memory per element: the bytes as loaded, plus on SM80/SM86 (byte decode) the converted
+    # copy they keep there; SM89+ hold converted tiles in registers (measured with
+    # tests/nvidia/compile_check.py)
+    decoded = 0 if native_fp8 else operand_bytes
+    a_smem = (1 + decoded) if w8a8 else operand_bytes
+    cfg = gemm_config(m, bk, operand_bytes, a.device, block_m, decode=not native_fp8,
+                      smem_bytes=(a_smem, 1 + decoded))  # fmt: skip
     out = empty((m, n), dtype=out_dtype, device=a.device)
     if m == 0 or n == 0:
         return out
