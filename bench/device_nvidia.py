@@ -558,8 +558,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="conformance MoE cases at the real V3 sizes (slow: ~45 GB of CPU reference weights)")  # fmt: skip
     parser.add_argument("--conformance-timeout", type=int, default=180, help="seconds")
     parser.add_argument("--quant-only", action="store_true",
-                        help="only the quantised-weight ops (no conformance, no other op)")  # fmt: skip
+                        help="only the quantised-weight ops (no conformance, no other op); "
+                             "default --out bench/results/device_nvidia_quant.json")  # fmt: skip
     args = parser.parse_args(argv)
+    if args.quant_only and args.out == DEFAULT_OUT:  # a partial run keeps the full results file
+        args.out = DEFAULT_OUT.with_name("device_nvidia_quant.json")
 
     import torch
 
