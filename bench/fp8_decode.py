@@ -135,11 +135,12 @@ def scenario(
     if args.gguf:
         sides["llamacpp_q8_0"] = (args.llama_python, LLAMA_DRIVER, args.gguf)
     runs: dict[str, list[dict]] = {side: [] for side in sides}
-    for rep in range(args.reps):
+    reps = args.reps if name == "single" else args.batch_reps or args.reps
+    for rep in range(reps):
         for side, (python, module, model) in sides.items():
             job = {"prompts": prompts, "output_len": output_len, "threads": args.threads, "model": model}
             runs[side].append(run_side(side, job, python, module, args.threads, tmp))
-            print(f"{name} rep {rep + 1}/{args.reps} {side}: {runs[side][-1]['output_tokens'] / runs[side][-1]['wall_s']:.0f} tok/s", flush=True)  # fmt: skip
+            print(f"{name} rep {rep + 1}/{reps} {side}: {runs[side][-1]['output_tokens'] / runs[side][-1]['wall_s']:.0f} tok/s", flush=True)  # fmt: skip
     summary = {side: summarise(rs) for side, rs in runs.items()}
     ratios = {
         f"fp8/{other}": summary["fp8"]["output_tokens_per_s"] / summary[other]["output_tokens_per_s"]
@@ -153,6 +154,7 @@ def scenario(
     }
     first = {side: rs[0]["output_token_ids"] for side, rs in runs.items()}
     return {
+        "reps": reps,
         "requests": len(prompts),
         "prompt_len": len(prompts[0]),
         "output_len": output_len,
@@ -166,6 +168,9 @@ def scenario(
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument(
+        "--batch-reps", type=int, help="repetitions of the 64-request scenario (default: --reps)"
+    )
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--single-output-len", type=int, default=1024)
@@ -193,7 +198,6 @@ def main() -> None:
         "git_commit": git_commit(REPO),
         "cpu": cpu_model(),
         "threads": args.threads,
-        "reps": args.reps,
         "llamacpp": {"gguf": args.gguf, "python": args.llama_python}
         if args.gguf
         else "skipped: no --gguf given",
