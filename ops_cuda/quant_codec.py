@@ -68,10 +68,10 @@ def e2m1_decode(nibble):
 
 @triton.jit
 def e8m0_to_float(exponent):
-    """int32 e8m0 biased exponent (0..255) -> float32 ``2 ** (e - 127)``. e = 255 gives inf (the
-    reference's ``ldexp`` does the same); e = 0 is the float32 subnormal 2**-127 (flushed to zero on
+    """int32 e8m0 biased exponent (0..255) -> float32 ``2 ** (e - 127)``. e = 255 is NaN (the OCP MX
+    encoding, as the reference decodes it); e = 0 is the float32 subnormal 2**-127 (flushed to zero on
     hardware that flushes subnormals; no real checkpoint scales a block that small)."""
-    bits = tl.where(exponent == 0, 0x00400000, exponent << 23)
+    bits = tl.where(exponent == 0, 0x00400000, tl.where(exponent == 255, 0x7FC00000, exponent << 23))
     return bits.to(tl.float32, bitcast=True)
 
 

@@ -104,8 +104,9 @@ def test_codecs_match_the_formats_bit_for_bit(cuda_ops) -> None:
     from deepinfer.backends.quant import E2M1_VALUES, e8m0_to_float
 
     assert torch.equal(e2m1, torch.tensor(E2M1_VALUES)[byte & 0xF])
-    normal = (byte > 0) & (byte < 255)  # 0 is a float32 subnormal (flushed on some GPUs), 255 inf
+    normal = (byte > 0) & (byte < 255)  # 0 is a float32 subnormal (flushed on some GPUs), 255 NaN
     assert torch.equal(e8m0[normal], e8m0_to_float(byte.to(torch.uint8))[normal])
+    assert bool(e8m0[byte == 255].isnan().all())
     from deepinfer.backends.quant import round_scale_ue8m0
 
     assert torch.equal(pow2, round_scale_ue8m0(x.abs() + 1e-30))
