@@ -87,6 +87,13 @@ ENV_VARS: dict[str, EnvVar] = {
             "avx2 | generic (portable C++). A choice the CPU cannot run is an error when the op runs.",
         ),
         EnvVar(
+            "DEEPINFER_EMULATED_NPU",
+            "Ascend910B3",
+            str.strip,
+            "Tests only: the chip the test-only torch_npu emulation (tests/ascend/emulation) reports from "
+            "torch.npu.get_device_name, e.g. Ascend910B3 (A2) or Ascend950PR (950).",
+        ),
+        EnvVar(
             "DEEPINFER_CONFORMANCE_DTYPES",
             "float32,bfloat16",
             str.strip,

@@ -13,12 +13,12 @@ outside tests/ascend imports this package.
 
 from __future__ import annotations
 
-import os
 import sys
 from types import ModuleType
 
 import torch
 
+from deepinfer import envs
 from tests.ascend.emulation import attention, cache, elementwise, moe, quant, runtime
 
 OPS = {
@@ -65,7 +65,7 @@ def install() -> None:
     """Make ``import torch_npu`` and ``torch.npu`` resolve to the emulation."""
     if "torch_npu" in sys.modules and not getattr(sys.modules["torch_npu"], "__emulated__", False):
         raise RuntimeError("a real torch_npu is loaded; the emulation must not replace it")
-    runtime.set_device_name(os.environ.get("DEEPINFER_EMULATED_NPU", "Ascend910B3"))
+    runtime.set_device_name(envs.get("DEEPINFER_EMULATED_NPU"))
     module = _torch_npu()
     module.__emulated__ = True
     sys.modules["torch_npu"] = module
