@@ -22,4 +22,16 @@ from deepinfer.backends.reference import (  # noqa: E402  (submodules register i
     sampling,
 )
 
-__all__ = ["OPS", "attention", "cache", "deterministic", "ep", "linear", "moe", "norm", "quant", "rope", "sampling"]
+__all__ = [
+    "OPS",
+    "attention",
+    "cache",
+    "deterministic",
+    "ep",
+    "linear",
+    "moe",
+    "norm",
+    "quant",
+    "rope",
+    "sampling",
+]
