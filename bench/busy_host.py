@@ -7,7 +7,7 @@ Each rep runs ``python -m deepinfer.run`` (the bundled model, a fixed prompt, gr
 tokens past any EOS, ``--json``, whose ``decode_tokens_per_s`` is the figure) twice, alternating: on
 the host as it is ("idle"), then with ``--busy`` CPU-bound children (``python -c 'while True:
 pass'``) started before it and stopped by PID after it ("busy"). The children of ``deepinfer.run`` get
-this process's environment without ``OMP_WAIT_POLICY``, so the entry point's own thread policy
+this process's environment without ``OMP_WAIT_POLICY`` or ``GOMP_SPINCOUNT``, so the entry point's own thread policy
 (``deepinfer.threads``) is what is measured. Records the commit, ``lscpu``'s model name, the load
 average around every run, each run's figures, the medians and ``busy / idle``; the acceptance is
 busy >= 0.5x idle. About 15 s a rep on a quiet 2-core host (the busy runs take longest).
@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 from deepinfer.bench.report import git_commit
-from deepinfer.threads import THREAD_POLICY
+from deepinfer.threads import USER_CHOICES
 
 REPO = Path(__file__).resolve().parents[1]
 PROMPT = "def fibonacci(n):\n    "
@@ -66,7 +66,7 @@ def stop(children: list[subprocess.Popen]) -> None:
 
 def decode_once(max_tokens: int) -> dict:
     """One ``python -m deepinfer.run --json`` run: its JSON row plus the wall time."""
-    env = {k: v for k, v in os.environ.items() if k not in THREAD_POLICY}
+    env = {k: v for k, v in os.environ.items() if k not in USER_CHOICES}
     start = time.monotonic()
     proc = subprocess.run(
         [sys.executable, "-m", "deepinfer.run", "--max-tokens", str(max_tokens), "--ignore-eos", "--json", PROMPT],

@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from deepinfer import __version__
+from deepinfer import __version__, envs
 from deepinfer.malloc_tuning import reexec_with_malloc_tuning
 from deepinfer.model_zoo import model_argument
 
@@ -127,6 +128,24 @@ def run(args: argparse.Namespace) -> int:
         return user_error("deepinfer run", exc)
 
 
+def _threads_for_a_shared_host() -> str:
+    """``deepinfer run`` takes only the CPUs other programs leave free when it starts (two threads
+    behind busy neighbours wait on each other: ``deepinfer.threads``), unless the thread count was
+    chosen (``DEEPINFER_NUM_THREADS``, ``OMP_NUM_THREADS``). Returns what it did, for the startup line
+    ('' when it kept every thread)."""
+    if envs.get("DEEPINFER_NUM_THREADS") or "OMP_NUM_THREADS" in os.environ:
+        return ""
+    import torch
+
+    from deepinfer.threads import free_cores
+
+    have, free = torch.get_num_threads(), free_cores()
+    if free >= have:
+        return ""
+    torch.set_num_threads(free)
+    return f"{free} of {have} threads (the other CPUs were busy at start; DEEPINFER_NUM_THREADS overrides)"
+
+
 def _run(args: argparse.Namespace) -> int:
     from deepinfer.sampling_params import SamplingParams
 
@@ -148,12 +167,14 @@ def _run(args: argparse.Namespace) -> int:
     }
     if args.accelerator:
         options["accelerator"] = args.accelerator
+    threads = _threads_for_a_shared_host()
     llm = LLM(args.model, **options)
     engine = llm.engine
     if not args.json:
         print(
             f"deepinfer {__version__} | platform {engine.platform.describe()} | model {engine.checkpoint.path.name} "
-            f"({str(engine.dtype).removeprefix('torch.')}) | {engine.weights_summary}",
+            f"({str(engine.dtype).removeprefix('torch.')}) | {engine.weights_summary}"
+            + (f" | {threads}" if threads else ""),
             file=sys.stderr,
         )
     for i, prompt in enumerate(prompts):

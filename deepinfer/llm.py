@@ -40,8 +40,8 @@ class LLM:
     ``data_parallel_size=N`` (with ``enable_expert_parallel=True`` to shard the experts) runs N rank
     processes (spawned: a script must guard its entry with ``if __name__ == "__main__":``).
 
-    The first ``LLM()`` of a process that has not imported torch sets ``OMP_WAIT_POLICY=PASSIVE``
-    (unless set) before it loads the engine, as every entry point does (:mod:`deepinfer.threads`);
+    The first ``LLM()`` of a process that has not imported torch sets ``GOMP_SPINCOUNT=10000``
+    (unless a wait policy is set) before it loads the engine, as every entry point does (:mod:`deepinfer.threads`);
     after an earlier ``import torch`` it is too late, and it logs a warning saying how to fix it.
     """
 

@@ -1,13 +1,16 @@
 """The OpenMP thread policy of every process that runs the engine: ``deepinfer run`` / ``bench`` /
 ``serve`` (and ``python -m deepinfer.run``), ``LLM()``, and the served engine core.
 
-PyTorch's CPU kernels run on OpenMP (libgomp). By default an OpenMP worker that finishes its share of
-a parallel region spins, waiting for the next one, instead of sleeping. On a host where other
-programs run, a spinning worker whose partner was preempted burns the core another thread needed:
-offline decoding fell to 5-20 tok/s next to two busy processes, and ran at 160-250 tok/s with
-``OMP_WAIT_POLICY=PASSIVE`` (idle workers sleep); the served core measured 12 vs 108 tok/s at 64
-streaming clients on 2 shared cores. So every engine process runs with ``OMP_WAIT_POLICY=PASSIVE``
-unless the user set ``OMP_WAIT_POLICY`` (any value, e.g. ``ACTIVE``, is kept).
+PyTorch's CPU kernels run on OpenMP (libgomp). An OpenMP worker that finishes its share of a parallel
+region waits for the next one, spinning ``GOMP_SPINCOUNT`` times before it sleeps. The runtime's default
+(300,000 spins, about 3 ms) makes a worker whose partner was preempted burn the core another thread
+needs: on a host where other programs run, offline decoding fell to 5-20 tok/s. Never spinning
+(``OMP_WAIT_POLICY=PASSIVE``) is no cure on a VM: every parallel region then wakes a halted vCPU, and
+one request's decode on this 2-vCPU host ran at 290 tok/s idle against 1,770 with spinning. So the
+policy is a short spin, ``GOMP_SPINCOUNT=10000`` (about 0.1 ms: the gaps between one step's parallel
+regions, not the idle time between steps); it is applied unless the user set ``OMP_WAIT_POLICY`` or
+``GOMP_SPINCOUNT`` (either is kept as given). Beside it, the engine takes only the cores that are free
+when it starts (:func:`free_cores`), so two threads never wait on each other behind busy neighbours.
 
 The OpenMP runtime reads its environment once, when it is loaded (by ``import torch``), so the policy
 is set in the process environment before that: the command-line entry points do it before they
@@ -21,16 +24,24 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from collections.abc import Mapping
 from pathlib import Path
 
-#: The policy: variables and the values they take unless the user set them.
-THREAD_POLICY: dict[str, str] = {"OMP_WAIT_POLICY": "PASSIVE"}
+#: The policy: variables and the values they take unless the user chose a wait policy.
+THREAD_POLICY: dict[str, str] = {"GOMP_SPINCOUNT": "10000"}
+#: Variables by which a user chooses the wait policy; any of them set means the policy stays out.
+USER_CHOICES = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
+
+
+def _policy_for(environ: Mapping[str, str]) -> dict[str, str]:
+    return {} if any(name in environ for name in USER_CHOICES) else dict(THREAD_POLICY)
 
 
 def thread_environment(environ: Mapping[str, str]) -> dict[str, str]:
-    """``environ`` with the policy's values where it sets none (a child process's environment)."""
-    return {**THREAD_POLICY, **environ}
+    """``environ`` with the policy's values unless it chose a wait policy (a child process's
+    environment)."""
+    return {**_policy_for(environ), **environ}
 
 
 def apply_thread_policy() -> bool:
@@ -38,7 +49,7 @@ def apply_thread_policy() -> bool:
     runtime has not read it yet. Returns whether the policy (or the user's own choice) is in force:
     False when OpenMP was already loaded (torch imported) with the policy unset, which only a new
     process can change."""
-    missing = {name: value for name, value in THREAD_POLICY.items() if name not in os.environ}
+    missing = _policy_for(os.environ)
     if not missing:
         return True
     if openmp_loaded():
@@ -66,3 +77,25 @@ def policy_warning() -> str:
         f"Python with {settings} in the environment (deepinfer run, bench and serve set it themselves), "
         "or create the LLM before importing torch"
     )
+
+
+def free_cores(samples: int = 5, interval_s: float = 0.01) -> int:
+    """The CPUs this process may run on that other programs are not using now: the affinity mask's
+    size minus the runnable tasks of the whole host other than this one (``procs_running`` of
+    ``/proc/stat``, the median of ``samples`` readings ``interval_s`` apart), at least 1. Without
+    ``/proc/stat`` (not Linux), every CPU of the mask."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    stat = Path("/proc/stat")
+    if not stat.is_file():
+        return cores
+    readings = []
+    for i in range(samples):
+        for line in stat.read_text().splitlines():
+            if line.startswith("procs_running "):
+                readings.append(int(line.split()[1]))
+        if i + 1 < samples:
+            time.sleep(interval_s)
+    if not readings:
+        return cores
+    others = max(0, sorted(readings)[len(readings) // 2] - 1)  # this process's reading thread runs
+    return max(1, cores - others)

@@ -129,7 +129,7 @@ class CoreThread(CoreHandle):
 
 def core_environment(environ: Mapping[str, str]) -> dict[str, str]:
     """A core's environment: the front's, with the engine's OpenMP thread policy
-    (:mod:`deepinfer.threads`: ``OMP_WAIT_POLICY=PASSIVE`` unless the user chose a policy)."""
+    (:mod:`deepinfer.threads`: ``GOMP_SPINCOUNT=10000`` unless the user chose a wait policy)."""
     return thread_environment(environ)
 
 
