@@ -202,10 +202,10 @@ def test_exit_descriptions() -> None:
     assert describe_exit(-9) == "killed by SIGKILL" and describe_exit(1) == "exited with code 1"
 
 
-def test_a_core_process_sleeps_its_idle_openmp_threads_unless_told_otherwise() -> None:
+def test_a_core_process_spins_its_idle_openmp_threads_only_briefly_unless_told_otherwise() -> None:
     env = core_environment({"PATH": "/bin"})
-    assert env == {"PATH": "/bin", "OMP_WAIT_POLICY": "PASSIVE"}
-    assert core_environment({"OMP_WAIT_POLICY": "ACTIVE"})["OMP_WAIT_POLICY"] == "ACTIVE"
+    assert env == {"PATH": "/bin", "GOMP_SPINCOUNT": "10000"}
+    assert core_environment({"OMP_WAIT_POLICY": "ACTIVE"}) == {"OMP_WAIT_POLICY": "ACTIVE"}
 
 
 def test_the_step_log_records_each_steps_composition_and_each_arrival(
