@@ -30,6 +30,7 @@
 
 #include "activation.h"
 #include "common.h"
+#include "expert_runs.h"
 #include "skinny.h"
 
 namespace {
@@ -172,38 +173,11 @@ std::tuple<at::Tensor, at::Tensor> moe_route(const at::Tensor& router_logits,
 
 using deepinfer_cpu::skinny_product;
 
-constexpr int64_t kColBlock = 16;  // output columns per work item
-
-// One expert's share of a call: rows [begin, end) of the expert-sorted row order.
-struct Run {
-  int64_t expert, begin, end;
-};
-
-// Work items (run, block of `cols` output columns) over the runs, for one parallel_for.
-struct Item {
-  int64_t run, col0, col1;
-};
-
-std::vector<Item> column_items(const std::vector<Run>& runs, int64_t cols) {
-  std::vector<Item> items;
-  for (int64_t r = 0; r < static_cast<int64_t>(runs.size()); ++r)
-    for (int64_t c = 0; c < cols; c += kColBlock) items.push_back({r, c, std::min(cols, c + kColBlock)});
-  return items;
-}
-
-// Runs in expert order, split by row count: `small` go through the dot-product kernel, `large` through
-// at::mm. Returns the most rows of a small run (what the kernel's per-thread buffers hold).
-int64_t split_runs(const std::vector<int64_t>& offsets, int64_t mm_rows, std::vector<Run>& small,
-                   std::vector<Run>& large) {
-  int64_t most = 0;
-  for (int64_t e = 0; e + 1 < static_cast<int64_t>(offsets.size()); ++e) {
-    const int64_t n = offsets[e + 1] - offsets[e];
-    if (n == 0) continue;
-    (n >= mm_rows ? large : small).push_back({e, offsets[e], offsets[e + 1]});
-    if (n < mm_rows) most = std::max(most, n);
-  }
-  return most;
-}
+using deepinfer_cpu::column_items;
+using deepinfer_cpu::Item;
+using deepinfer_cpu::kColBlock;
+using deepinfer_cpu::Run;
+using deepinfer_cpu::split_runs;
 
 // A [n, cols] float32 view of rows of a float buffer, for at::mm outputs and inputs (no copy).
 inline at::Tensor float_rows(float* data, int64_t n, int64_t cols) {

@@ -48,6 +48,7 @@
 
 #include "activation.h"
 #include "common.h"
+#include "expert_runs.h"
 
 namespace {
 
@@ -351,7 +352,7 @@ QMat matrix(const at::Tensor& values, const at::Tensor& scale, const Format& f, 
 }
 
 // ------------------------------------------------------------------------------ products
-constexpr int64_t kColBlock = 16;                 // output columns per work item (skinny path)
+using deepinfer_cpu::kColBlock;  // output columns per work item (skinny path)
 constexpr int64_t kMacsPerThread = 1 << 13;       // below this a skinny call stays on one thread
 constexpr int64_t kPanelRows = 64;                // weight rows per dequantised panel (at least)
 constexpr int64_t kPanelBytes = 4 << 20;          // float32 bytes of one panel (at most, unless kPanelRows)
@@ -451,29 +452,10 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& weight, const at:
   return out.view(shape);
 }
 
-// Expert runs of a call: rows [begin, end) of the expert-sorted order belong to `expert`.
-struct Run {
-  int64_t expert, begin, end;
-};
-
-struct Item {
-  int64_t run, col0, col1;
-};
-
-std::vector<Item> column_items(const std::vector<Run>& runs, int64_t cols) {
-  std::vector<Item> items;
-  for (int64_t r = 0; r < static_cast<int64_t>(runs.size()); ++r)
-    for (int64_t c = 0; c < cols; c += kColBlock) items.push_back({r, c, std::min(cols, c + kColBlock)});
-  return items;
-}
-
-void split_runs(const std::vector<int64_t>& offsets, int64_t skinny_max, std::vector<Run>& small,
-                std::vector<Run>& large) {
-  for (int64_t e = 0; e + 1 < static_cast<int64_t>(offsets.size()); ++e) {
-    const int64_t n = offsets[e + 1] - offsets[e];
-    if (n > 0) (n <= skinny_max ? small : large).push_back({e, offsets[e], offsets[e + 1]});
-  }
-}
+using deepinfer_cpu::column_items;
+using deepinfer_cpu::Item;
+using deepinfer_cpu::Run;
+using deepinfer_cpu::split_runs;
 
 at::Tensor quant_grouped_gemm(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale, int64_t kind,
                               int64_t bn, int64_t bk, const at::Tensor& group_sizes, int64_t isa,
@@ -499,7 +481,7 @@ at::Tensor quant_grouped_gemm(const at::Tensor& x, const at::Tensor& weight, con
   const at::Tensor xf = x.to(at::kFloat).contiguous(), wv = weight.contiguous(), ws = scale.contiguous();
   at::Tensor out = at::empty({x.size(0), N}, x.options().dtype(at::kFloat));
   std::vector<Run> small, large;
-  split_runs(offsets, skinny_max, small, large);
+  split_runs(offsets, skinny_max + 1, small, large);
   const float* xp = xf.data_ptr<float>();
   float* op_ = out.data_ptr<float>();
   for (const Run& run : large)
@@ -578,7 +560,7 @@ at::Tensor quant_fused_moe(const at::Tensor& hidden, const at::Tensor& w13, cons
     row_token[fill[e]++] = p / top_k;
   }
   std::vector<Run> small, large;
-  split_runs(offsets, skinny_max, small, large);
+  const int64_t most = split_runs(offsets, skinny_max + 1, small, large);
 
   const at::Tensor xf = hidden.to(at::kFloat).contiguous();
   const at::Tensor a = w13.contiguous(), as = w13_scale.contiguous(), b = w2.contiguous(), bs = w2_scale.contiguous();
@@ -591,8 +573,6 @@ at::Tensor quant_fused_moe(const at::Tensor& hidden, const at::Tensor& w13, cons
 
   if (!small.empty()) {
     const std::vector<Item> up_items = column_items(small, inter);
-    int64_t most = 0;
-    for (const Run& run : small) most = std::max(most, run.end - run.begin);
     at::parallel_for(0, static_cast<int64_t>(up_items.size()), 1, [&](int64_t first, int64_t last) {
       std::vector<float> gate_up(most * 2 * kColBlock);
       for (int64_t it = first; it < last; ++it) {
