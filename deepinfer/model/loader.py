@@ -24,12 +24,14 @@ from __future__ import annotations
 import json
 import re
 import struct
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from tqdm import tqdm
 
 from deepinfer.backends.quant import FP8_DTYPE, WeightFormat, dequantize
@@ -76,6 +78,17 @@ class Checkpoint:
         return cls(folder, raw, _tensor_files(folder))
 
 
+@contextmanager
+def open_shard(path: Path) -> Iterator[Any]:
+    """``safe_open(path)``; a truncated or corrupt file (while opening or reading a tensor) is a
+    CheckpointError naming it."""
+    try:
+        with safe_open(path, framework="pt") as f:
+            yield f
+    except SafetensorError as exc:
+        raise CheckpointError(f"{path} is not a readable safetensors file: {exc}") from None
+
+
 def _tensor_files(folder: Path) -> dict[str, Path]:
     index = folder / "model.safetensors.index.json"
     if index.is_file():
@@ -89,7 +102,7 @@ def _tensor_files(folder: Path) -> dict[str, Path]:
         raise CheckpointError(f"{folder} is not a checkpoint: no *.safetensors files")
     tensors: dict[str, Path] = {}
     for shard in shards:
-        with safe_open(shard, framework="pt") as f:
+        with open_shard(shard) as f:
             for name in f.keys():  # noqa: SIM118  (safe_open is not a mapping)
                 tensors[name] = shard
     return tensors
@@ -272,7 +285,7 @@ def load_model(
     for name in plan_targets:
         by_shard.setdefault(ckpt.tensors[name], []).append(name)
     for file in tqdm(sorted(by_shard), desc="Loading safetensors shards", unit="shard", disable=None):
-        with safe_open(file, framework="pt") as f:
+        with open_shard(file) as f:
             for name in by_shard[file]:
                 stats.tensors_read += not name.endswith(SCALE_SUFFIX)  # a scale is counted with its weight
                 targets = plan_targets[name]
@@ -332,7 +345,7 @@ def _prepare(
     if param.dtype in _QUANT_PARAM_DTYPES:
         return part
     scale_name = name + SCALE_SUFFIX
-    with safe_open(ckpt.tensors[scale_name], framework="pt") as f:
+    with open_shard(ckpt.tensors[scale_name]) as f:
         scale = f.get_slice(scale_name)[target.source] if target.source else f.get_tensor(scale_name)
     stats.bytes_read += scale.numel() * scale.element_size()
     try:

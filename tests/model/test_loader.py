@@ -229,3 +229,17 @@ def test_unsupported_config_values_are_named(hf_dir: Path, tmp_path: Path, chang
     with pytest.raises(UnsupportedConfigError) as err:
         load_model(edit(hf_dir, tmp_path, config=change), torch.float32)
     assert message in str(err.value)
+
+
+def test_a_truncated_safetensors_file_is_an_error_naming_it(hf_dir: Path, tmp_path: Path) -> None:
+    """A shard cut short (a download or copy that stopped) is a CheckpointError naming the file, never a
+    raw safetensors exception; a shard whose header is whole but whose data is cut short too."""
+    for keep in (100, None):  # inside the header; the header whole and the data cut
+        folder = tmp_path / f"cut-{keep}"
+        shutil.copytree(hf_dir, folder)
+        shard = sorted(folder.glob("*.safetensors"))[0]
+        data = shard.read_bytes()
+        header = 8 + int.from_bytes(data[:8], "little")
+        shard.write_bytes(data[: keep if keep is not None else header + 16])
+        with pytest.raises(CheckpointError, match=rf"{shard.name} is not a readable safetensors file"):
+            load_model(folder, torch.float32)
