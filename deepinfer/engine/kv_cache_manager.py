@@ -56,10 +56,13 @@ class KVCacheManager:
 
     def find_cached_prefix(self, request: Request) -> list[KVBlock]:
         """Blocks of the longest cached prefix of the request's tokens, leaving at least one token
-        to compute (its logits are needed). Takes no references."""
+        to compute (its logits are needed). None for a request that asks for prompt log-probabilities:
+        a cached position's logits are never computed, so every position is. Takes no references."""
         if not self.pool.enable_prefix_caching:
             return []
         self._update_hashes(request)
+        if request.sampling_params.prompt_logprobs is not None:
+            return []
         max_blocks = (request.num_tokens - 1) // self.block_size
         hits = []
         for block_hash in request.block_hashes[:max_blocks]:

@@ -156,9 +156,10 @@ class StoreConnector:
 
     def begin_load(self, request: Request, cached: list[KVBlock]) -> bool:
         """Look the request's uncached leading blocks up in the store (once per admission); if some
-        are there, start loading them and return True (the request then waits in the connector)."""
+        are there, start loading them and return True (the request then waits in the connector).
+        A request that asks for prompt log-probabilities loads nothing: every position is computed."""
         rid = request.request_id
-        if rid in self._checked:
+        if rid in self._checked or request.sampling_params.prompt_logprobs is not None:
             return False
         self._checked.add(rid)
         max_blocks = (request.num_tokens - 1) // self.block_size

@@ -164,6 +164,22 @@ def test_logprobs_and_prompt_logprobs(tiny_model: Path) -> None:
         assert token in entry and entry[token].logprob <= 0
 
 
+def test_prompt_logprobs_are_complete_after_a_prefix_cache_hit(tiny_model: Path) -> None:
+    """A request asking for prompt log-probabilities is not served from the prefix cache (the cached
+    positions' logits are never computed): every position is scored, the same as the first time."""
+    llm = LLM(str(tiny_model), num_kv_blocks=64)
+    prompt = list(range(5, 5 + 3 * 16 + 5))  # three full blocks and a partial one
+    plain = SamplingParams(temperature=0.0, max_tokens=1)
+    scored = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
+    first = llm.generate(prompt_token_ids=[prompt], sampling_params=scored)[0].prompt_logprobs
+    llm.generate(prompt_token_ids=[prompt], sampling_params=plain)  # the prefix is cached now
+    again = llm.generate(prompt_token_ids=[prompt], sampling_params=scored)[0].prompt_logprobs
+    assert first[0] is None and again[0] is None and len(again) == len(prompt)
+    assert all(entry is not None for entry in again[1:])
+    for token, a, b in zip(prompt[1:], first[1:], again[1:]):
+        assert b[token].logprob == pytest.approx(a[token].logprob, abs=1e-4)
+
+
 def test_streaming_interface_deltas_add_up(tiny_model: Path) -> None:
     engine = LLM(str(tiny_model), num_kv_blocks=64).engine
     engine.add_request("s", "print(", None, SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True))
