@@ -14,6 +14,8 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from deepinfer.structured.closing import closed
+
 MARKERS = ("tool_calls_begin", "tool_call_begin", "tool_sep", "tool_call_end", "tool_calls_end")
 
 
@@ -40,15 +42,3 @@ def tool_call_grammar(tools: Sequence[tuple[str, Mapping[str, Any]]], marker_ids
         rules.append(f"args{i}: %json {json.dumps(parameters)}")
     calls = " | ".join(f"call{i}" for i in range(len(tools)))
     return "\n".join([f"start: {ids['tool_calls_begin']} ({calls}) {ids['tool_calls_end']}", *rules])
-
-
-def closed(schema: Any) -> Any:
-    """The schema with ``additionalProperties: false`` on every object that does not say otherwise."""
-    if isinstance(schema, list):
-        return [closed(s) for s in schema]
-    if not isinstance(schema, dict):
-        return schema
-    out = {k: closed(v) for k, v in schema.items()}
-    if (out.get("type") == "object" or "properties" in out) and "additionalProperties" not in out:
-        out["additionalProperties"] = False
-    return out

@@ -97,8 +97,9 @@ def _output_schema(
     if fmt is None:
         return None
     schema = fmt.json_schema.schema_ if fmt.json_schema is not None else None
+    strict = bool(fmt.json_schema is not None and fmt.json_schema.strict)
     return output_schema(
-        fmt.type, schema, "response_format", "response_format.json_schema.schema", thinking, tools
+        fmt.type, schema, "response_format", "response_format.json_schema.schema", thinking, tools, strict
     )
 
 

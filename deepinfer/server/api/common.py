@@ -26,7 +26,8 @@ from deepinfer.server.context import ApiFields, ServingContext
 from deepinfer.server.generation import ChoiceUpdate, Updates, Usage
 from deepinfer.server.protocol.common import CompletionTokensDetails, OpenAIUsage, PromptTokensDetails
 from deepinfer.server.validation import json_schema_error
-from deepinfer.structured.tool_calls import closed, tool_call_grammar
+from deepinfer.structured.closing import closed
+from deepinfer.structured.tool_calls import tool_call_grammar
 from deepinfer.web.errors import ApiError
 from deepinfer.web.sse import EventStreamResponse
 
@@ -138,11 +139,14 @@ def output_schema(
     schema_param: str,
     thinking: bool,
     tools: list[ToolSpec],
+    strict: bool = False,
 ) -> dict[str, Any] | None:
     """The JSON schema a response format (field ``param``; its schema at ``schema_param``)
     constrains the answer to (``None``: free text). The constraint holds from the first generated
     token, so it excludes thinking and tool calls; a schema the grammar backend cannot compile is a
-    400 naming ``schema_param``."""
+    400 naming ``schema_param``. With ``strict`` (the format's ``strict: true``) objects are closed
+    (:func:`~deepinfer.structured.closing.closed`: no keys beyond ``properties`` unless the schema
+    allows more); without it the schema keeps JSON Schema's reading, where objects are open."""
     if kind == "text":
         return None
     if thinking:
@@ -161,6 +165,8 @@ def output_schema(
         return {"type": "object"}
     if schema is None:
         raise ApiError(400, f"{param}: a json_schema format needs its schema", param=param)
+    if strict:
+        schema = closed(schema)
     problem = json_schema_error(schema)
     if problem is not None:
         raise ApiError(400, f"{schema_param}: the schema cannot be enforced: {problem}", param=schema_param)

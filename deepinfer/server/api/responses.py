@@ -113,7 +113,9 @@ async def create_response(body: p.ResponsesRequest, request: Request, ctx: Servi
     thinking = body.reasoning is not None and body.reasoning.effort in THINKING_EFFORTS
     fmt = body.text.format if body.text else None
     schema = (
-        output_schema(fmt.type, fmt.schema_, "text.format", "text.format.schema", thinking, tools)
+        output_schema(
+            fmt.type, fmt.schema_, "text.format", "text.format.schema", thinking, tools, bool(fmt.strict)
+        )
         if fmt
         else None
     )
