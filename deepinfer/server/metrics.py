@@ -210,10 +210,18 @@ class ServerMetrics:
 
 
 class RequestMeter:
-    """Records one request's latencies and token counts from the outputs it produced."""
+    """Records one request's latencies and token counts from the outputs it produced.
 
-    def __init__(self, metrics: ServerMetrics) -> None:
+    The first output's arrival is the time to first token; every later token counts once in the
+    inter-token-latency histogram, so its count is the tokens generated less one and its sum the time
+    from the first output to the last. The tokens of one output share the time since the output
+    before (a speculative step's accepted drafts, the choices of ``n`` > 1); the extra tokens of a
+    first output that carries several came with the first, after no further wait (0 s)."""
+
+    def __init__(self, metrics: ServerMetrics, clock: Callable[[], float] = time.monotonic) -> None:
+        """``clock``: seconds, for the times between outputs (monotonic)."""
         self._m = metrics
+        self._clock = clock
         self._last: RequestOutput | None = None
         self._generated = 0
         self._last_time: float | None = None
@@ -222,11 +230,14 @@ class RequestMeter:
     def observe(self, output: RequestOutput) -> None:
         generated = sum(len(c.token_ids) for c in output.outputs)
         new = generated - self._generated
-        now = time.monotonic()
+        now = self._clock()
         if new > 0:
-            if self._generated == 0 and output.metrics.ttft is not None:
-                self._m.ttft.observe(output.metrics.ttft)
-            elif self._last_time is not None:
+            if self._last_time is None:
+                if output.metrics.ttft is not None:
+                    self._m.ttft.observe(output.metrics.ttft)
+                if new > 1:
+                    self._m.inter_token.observe(0.0, new - 1)
+            else:
                 self._m.inter_token.observe((now - self._last_time) / new, new)
             self._last_time = now
         self._generated = generated
