@@ -171,7 +171,9 @@ def build_router_app(config: RouterConfig) -> FastAPI:
         the API's shape when none is admitted or none answers."""
         registry: Registry = state["registry"]
         body = await request.body() if method == "POST" else None
-        headers = {"content-type": request.headers.get("content-type", "application/json")} if body else None
+        headers = {"content-type": request.headers.get("content-type", "application/json")} if body else {}
+        if "anthropic-version" in request.headers:  # the worker answers in Anthropic's shapes
+            headers["anthropic-version"] = request.headers["anthropic-version"]
         for url in registry.book.urls():
             if registry.admitted(url):
                 with contextlib.suppress(httpx.HTTPError):
@@ -224,8 +226,11 @@ def build_router_app(config: RouterConfig) -> FastAPI:
             {"status": status, "workers": workers}, status_code=503 if status == "unavailable" else 200
         )
 
-    @app.get("/metrics")
-    async def metrics_route() -> Response:
+    @app.api_route("/metrics", methods=["GET", "HEAD"])
+    async def metrics_route(request: Request) -> Response:
+        """The router's Prometheus metrics; ``HEAD`` answers 200 with no body."""
+        if request.method == "HEAD":
+            return Response(media_type=CONTENT_TYPE)
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
     @app.get("/router/workers")

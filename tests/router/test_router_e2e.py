@@ -102,6 +102,11 @@ def test_usage_errors_and_operational_routes(cluster: Cluster) -> None:
         oa.models.retrieve("other")
     missing = httpx.get(f"{cluster.url}/v1/models/other", timeout=30)
     assert missing.status_code == 404 and missing.json()["error"]["type"] == "not_found_error"
+    # issue 35: Anthropic's model shapes (anthropic-version is relayed), HEAD /metrics
+    page = an.models.list()
+    assert [(m.type, m.id) for m in page.data] == [("model", MODEL)] and page.last_id == MODEL
+    head = httpx.head(f"{cluster.url}/metrics", timeout=30)
+    assert head.status_code == 200 and head.content == b""
     counted = an.messages.count_tokens(model=MODEL, messages=[{"role": "user", "content": SHORT}])
     assert counted.input_tokens > 0
     bad = httpx.post(f"{cluster.url}/v1/messages/count_tokens", json={"model": MODEL}, timeout=30)

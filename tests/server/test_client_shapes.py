@@ -6,9 +6,13 @@ from __future__ import annotations
 
 import json
 
+import anthropic
+import httpx
 import openai
+import pytest
 
-from tests.server.conftest import MODEL_NAME
+from deepinfer.recipe import tokens as T
+from tests.server.conftest import MODEL_NAME, ServerHandle
 
 OPEN_SCHEMA = {"type": "object", "properties": {"city": {"enum": ["Paris", "Lyon"]}}}
 
@@ -37,3 +41,94 @@ def test_strict_json_schema_closes_objects_end_to_end(openai_client: openai.Open
         )
         assert response.status == "completed", response.output_text
         assert set(json.loads(response.output_text)) <= {"city"}
+
+
+TOOL = {
+    "type": "function",
+    "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {"city": {}}}},
+}
+ONLY_CALL = (
+    f"{T.TOOL_CALLS_BEGIN}{T.TOOL_CALL_BEGIN}get_weather{T.TOOL_SEP}"
+    f'{{"city": "Paris"}}{T.TOOL_CALL_END}{T.TOOL_CALLS_END}'
+)
+
+
+def test_chat_keys_openai_always_sends(server: ServerHandle) -> None:
+    """A message that is only tool calls has ``content: null`` and ``refusal: null``; choices and
+    chunk choices carry ``logprobs: null`` (and chunks ``finish_reason: null``) when unset."""
+    server.runner.script("[shape-call]", ONLY_CALL)
+    body = {
+        "model": MODEL_NAME,
+        "messages": [{"role": "user", "content": "[shape-call] weather?"}],
+        "tools": [TOOL],
+        "max_tokens": 60,
+    }
+    (choice,) = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=60).json()["choices"]
+    assert choice["finish_reason"] == "tool_calls" and choice["logprobs"] is None
+    message = choice["message"]
+    assert message["content"] is None and message["refusal"] is None and len(message["tool_calls"]) == 1
+    with httpx.stream("POST", f"{server.url}/v1/chat/completions", json={**body, "stream": True}) as r:
+        chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    assert chunks and all(
+        "logprobs" in c and "finish_reason" in c for chunk in chunks for c in chunk["choices"]
+    )
+    assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+
+
+def test_top_logprobs_needs_logprobs(server: ServerHandle) -> None:
+    body = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}
+    response = httpx.post(f"{server.url}/v1/chat/completions", json=body)
+    assert response.status_code == 400 and response.json()["error"]["param"] == "top_logprobs"
+    ok = httpx.post(f"{server.url}/v1/chat/completions", json={**body, "logprobs": True, "max_tokens": 2})
+    assert ok.status_code == 200, ok.text
+
+
+def test_head_metrics(server: ServerHandle) -> None:
+    response = httpx.head(f"{server.url}/metrics")
+    assert response.status_code == 200 and response.content == b""
+    assert response.headers["content-type"].startswith("text/plain")
+
+
+def test_anthropic_model_list_shape(server: ServerHandle, anthropic_client: anthropic.Anthropic) -> None:
+    """With ``anthropic-version`` (sent by Anthropic's client), the model routes answer in Anthropic's
+    shapes; without it, in OpenAI's."""
+    page = anthropic_client.models.list()
+    (model,) = page.data
+    assert (model.type, model.id, model.display_name) == ("model", MODEL_NAME, MODEL_NAME)
+    assert model.created_at.tzinfo is not None
+    raw = httpx.get(f"{server.url}/v1/models", headers={"anthropic-version": "2023-06-01"}).json()
+    assert (raw["has_more"], raw["first_id"], raw["last_id"]) == (False, MODEL_NAME, MODEL_NAME)
+    assert anthropic_client.models.retrieve(MODEL_NAME).id == MODEL_NAME
+    with pytest.raises(anthropic.NotFoundError):
+        anthropic_client.models.retrieve("other")
+    assert httpx.get(f"{server.url}/v1/models").json()["object"] == "list"
+
+
+IMAGE_CASES = [
+    (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+        "'image_url'",
+    ),
+    (
+        "/v1/responses",
+        {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
+        "'input_image'",
+    ),
+    (
+        "/v1/messages",
+        {
+            "max_tokens": 5,
+            "messages": [{"role": "user", "content": [{"type": "image", "source": {"type": "url"}}]}],
+        },
+        "'image'",
+    ),
+]
+
+
+@pytest.mark.parametrize(("path", "body", "kind"), IMAGE_CASES, ids=[c[0] for c in IMAGE_CASES])
+def test_unsupported_content_parts_are_400_saying_so(server: ServerHandle, path, body, kind) -> None:
+    response = httpx.post(f"{server.url}{path}", json={"model": MODEL_NAME, **body})
+    assert response.status_code == 400, response.text
+    message = response.json()["error"]["message"]
+    assert kind in message and "not supported" in message and "text only" in message

@@ -88,6 +88,8 @@ def thinking_requested(body: p.ChatCompletionRequest) -> bool:
 def _refuse_unsupported(body: p.ChatCompletionRequest) -> None:
     if body.logit_bias:
         raise ApiError(400, "logit_bias is not supported", param="logit_bias")
+    if body.top_logprobs is not None and not body.logprobs:
+        raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
 
 
 def _output_schema(
@@ -169,7 +171,11 @@ class ChatRenderer:
         chunk = p.ChatCompletionChunk(
             id=self.id, created=self.created, model=self.model, choices=choices, usage=usage
         )
-        return chunk.model_dump(mode="json", exclude_none=True)
+        data = chunk.model_dump(mode="json", exclude_none=True)
+        for choice in data["choices"]:  # OpenAI sends these keys in every chunk, null when unset
+            choice.setdefault("logprobs", None)
+            choice.setdefault("finish_reason", None)
+        return data
 
     def _chunk(self, choices: list[p.ChunkChoice], usage: OpenAIUsage | None = None) -> str:
         return sse(self._chunk_data(choices, usage))
@@ -280,4 +286,9 @@ class ChatRenderer:
             choices=choices,
             usage=openai_usage(self.run.usage),
         )
-        return body.model_dump(mode="json", exclude_none=True)
+        data = body.model_dump(mode="json", exclude_none=True)
+        for choice in data["choices"]:  # OpenAI's shape: these keys are always there, null when unset
+            choice.setdefault("logprobs", None)
+            choice["message"].setdefault("content", None)
+            choice["message"].setdefault("refusal", None)
+        return data

@@ -10,7 +10,13 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field
 
-from deepinfer.server.protocol.common import OpenAISampling, OpenAIUsage, RequestModel, ResponseModel
+from deepinfer.server.protocol.common import (
+    OpenAISampling,
+    OpenAIUsage,
+    RequestModel,
+    ResponseModel,
+    supported_parts,
+)
 
 
 class TextPart(RequestModel):
@@ -18,7 +24,7 @@ class TextPart(RequestModel):
     text: str
 
 
-Content = str | list[TextPart]
+Content = Annotated[str | list[TextPart], supported_parts(["text"])]
 
 
 class FunctionCall(RequestModel):
@@ -138,7 +144,8 @@ class ToolCallOut(ResponseModel):
 
 class ResponseMessage(ResponseModel):
     role: Literal["assistant"] = "assistant"
-    content: str | None
+    content: str | None  # null when the answer is only tool calls
+    refusal: None = None  # always null: the server has no refusal channel
     reasoning_content: str | None = None
     tool_calls: list[ToolCallOut] | None = None
 

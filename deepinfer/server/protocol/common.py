@@ -2,12 +2,39 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
 StopString = Annotated[str, Field(min_length=1)]
 StopStrings = StopString | list[StopString]
+
+
+def supported_parts(accepted: Iterable[str]) -> BeforeValidator:
+    """A validator for a message's ``content`` list: a part whose ``type`` is not one of ``accepted``
+    (an image, audio, a file: the model reads text only) is refused with a message that names the
+    part, its type and the accepted types, instead of a union mismatch. Other values pass on."""
+    names = sorted(accepted)
+
+    def check(value: Any) -> Any:
+        refuse_unsupported_parts(value, names)
+        return value
+
+    return BeforeValidator(check)
+
+
+def refuse_unsupported_parts(content: Any, accepted: Iterable[str], where: str = "content") -> None:
+    """Raise ValueError if the ``content`` list (at ``where``, for the message) has a part whose
+    ``type`` is not in ``accepted``; anything else (text, a malformed value) is left to the model."""
+    names = sorted(accepted)
+    for i, part in enumerate(content if isinstance(content, list) else ()):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if isinstance(kind, str) and kind not in names:
+            raise ValueError(
+                f"{where} part {i} has type {kind!r}, which is not supported: this model reads text "
+                f"only (accepted part types: {', '.join(names)})"
+            )
 
 
 class RequestModel(BaseModel):

@@ -11,7 +11,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field
 
-from deepinfer.server.protocol.common import RequestModel, ResponseModel, StopString
+from deepinfer.server.protocol.common import RequestModel, ResponseModel, StopString, supported_parts
 
 
 class TextBlock(RequestModel):
@@ -29,7 +29,7 @@ class ToolUseBlock(RequestModel):
 class ToolResultBlock(RequestModel):
     type: Literal["tool_result"]
     tool_use_id: str
-    content: str | list[TextBlock] = ""
+    content: Annotated[str | list[TextBlock], supported_parts(["text"])] = ""
     is_error: bool | None = None
 
 
@@ -44,9 +44,12 @@ ContentBlock = Annotated[
 ]
 
 
+BLOCK_TYPES = ("text", "tool_use", "tool_result", "thinking", "redacted_thinking")
+
+
 class Message(RequestModel):
     role: Literal["user", "assistant"]
-    content: str | list[ContentBlock]
+    content: Annotated[str | list[ContentBlock], supported_parts(BLOCK_TYPES)]
 
 
 class ToolDefinition(RequestModel):

@@ -9,9 +9,16 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import Discriminator, Field, Tag
+from pydantic import BeforeValidator, Discriminator, Field, Tag
 
-from deepinfer.server.protocol.common import RequestModel, ResponseModel
+from deepinfer.server.protocol.common import (
+    RequestModel,
+    ResponseModel,
+    refuse_unsupported_parts,
+    supported_parts,
+)
+
+TEXT_PARTS = ("input_text", "output_text")
 
 
 class InputText(RequestModel):
@@ -22,7 +29,7 @@ class InputText(RequestModel):
 class MessageItem(RequestModel):
     type: Literal["message"] = "message"
     role: Literal["user", "assistant", "system", "developer"]
-    content: str | list[InputText]
+    content: Annotated[str | list[InputText], supported_parts(TEXT_PARTS)]
 
 
 class FunctionCallItem(RequestModel):
@@ -58,6 +65,15 @@ InputItem = Annotated[
 ]
 
 
+def _refuse_unsupported_input(value: Any) -> Any:
+    """Check the input messages' content parts before the ``input`` union is matched, so an image
+    is refused as such rather than as a value that is neither a string nor a list of items."""
+    for j, item in enumerate(value if isinstance(value, list) else ()):
+        if isinstance(item, dict) and item.get("type", "message") == "message":
+            refuse_unsupported_parts(item.get("content"), TEXT_PARTS, f"input[{j}].content")
+    return value
+
+
 class FunctionTool(RequestModel):
     type: Literal["function"]
     name: str = Field(min_length=1, max_length=128)
@@ -90,7 +106,9 @@ class TextOptions(RequestModel):
 
 class ResponsesRequest(RequestModel):
     model: str
-    input: str | Annotated[list[InputItem], Field(min_length=1)]
+    input: Annotated[
+        str | Annotated[list[InputItem], Field(min_length=1)], BeforeValidator(_refuse_unsupported_input)
+    ]
     instructions: str | None = None
     max_output_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0.0, le=2.0)
