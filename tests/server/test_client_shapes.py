@@ -132,3 +132,26 @@ def test_unsupported_content_parts_are_400_saying_so(server: ServerHandle, path,
     assert response.status_code == 400, response.text
     message = response.json()["error"]["message"]
     assert kind in message and "not supported" in message and "text only" in message
+
+
+def test_responses_item_cut_by_max_output_tokens_is_incomplete_when_streamed(
+    server: ServerHandle, openai_client: openai.OpenAI
+) -> None:
+    """Reasoning that closed before the limit is ``completed``; the message the limit cut is
+    ``incomplete``, in its ``response.output_item.done`` event and in the final response alike."""
+    ids = server.runner.script("[shape-cut]", f"Short.{T.THINK_END}one two three four five six seven")
+    limit = ids.index(server.engine.tokenizer.token_to_id(T.THINK_END)) + 3
+    request = dict(
+        model=MODEL_NAME,
+        input="[shape-cut] count",
+        reasoning={"effort": "high"},
+        max_output_tokens=limit,
+    )
+    events = list(openai_client.responses.create(**request, stream=True))
+    done = [(e.item.type, e.item.status) for e in events if e.type == "response.output_item.done"]
+    assert done == [("reasoning", "completed"), ("message", "incomplete")]
+    final = events[-1]
+    assert final.type == "response.incomplete"
+    assert [(i.type, i.status) for i in final.response.output] == done
+    plain = openai_client.responses.create(**request)
+    assert plain.status == "incomplete" and [(i.type, i.status) for i in plain.output] == done

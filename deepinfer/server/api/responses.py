@@ -38,7 +38,7 @@ from deepinfer.server.api.common import (
     respond,
 )
 from deepinfer.server.context import ApiFields, traffic_class
-from deepinfer.server.generation import ChatRun, ChoiceUpdate, FinishReason, Usage
+from deepinfer.server.generation import ChatRun, ChoiceUpdate, Finish, FinishReason, Usage
 from deepinfer.server.protocol import responses as p
 from deepinfer.web.errors import ApiError, Dialect
 from deepinfer.web.sse import sse
@@ -177,11 +177,11 @@ class ResponsesRenderer:
         when the token limit cut it short) with it."""
         status, output, incomplete = "in_progress", [], None
         if usage is not None:
-            finish = self.run.finishes[0]
-            truncated = finish is not None and finish.reason is FinishReason.LENGTH
+            truncated = _truncated(self.run.finishes[0])
             status = "incomplete" if truncated else "completed"
             incomplete = p.IncompleteDetails(reason="max_output_tokens") if truncated else None
-            output = [self._item(i, status) for i in range(len(self.run.messages[0].blocks))]
+            last = len(self.run.messages[0].blocks) - 1
+            output = [self._item(i, _item_status(truncated, i == last)) for i in range(last + 1)]
         body = self.body
         return p.ResponseObject(
             id=self.id,
@@ -256,11 +256,13 @@ class ResponsesRenderer:
                         )
                     )
             elif isinstance(event, BlockEnd):
-                events += self._close_item(index, block, where)
+                # the blocks a finish closes come with it: the last one is what the limit cut
+                cut = _truncated(update.finish) and index == len(blocks) - 1
+                events += self._close_item(index, block, where, _item_status(cut, cut))
         return events
 
-    def _close_item(self, index: int, block: Block, where: dict[str, Any]) -> list[str]:
-        item = self._item(index, "completed").model_dump(mode="json")
+    def _close_item(self, index: int, block: Block, where: dict[str, Any], status: str) -> list[str]:
+        item = self._item(index, status).model_dump(mode="json")
         if block.kind == "tool_call":
             done = self._event("response.function_call_arguments.done", **where, arguments=item["arguments"])
             return [done, self._event("response.output_item.done", output_index=index, item=item)]
@@ -282,6 +284,17 @@ class ResponsesRenderer:
     def error(self, error: ApiError) -> list[str]:
         body = error.body(Dialect.OPENAI)["error"]
         return [self._event("error", code=body["code"], message=body["message"], param=body["param"])]
+
+
+def _truncated(finish: Finish | None) -> bool:
+    """Whether the output was cut by ``max_output_tokens``."""
+    return finish is not None and finish.reason is FinishReason.LENGTH
+
+
+def _item_status(truncated: bool, last: bool) -> str:
+    """An output item's final status: the last item of a cut output is ``incomplete``, the items
+    that closed before it (and every item of a finished output) ``completed``."""
+    return "incomplete" if truncated and last else "completed"
 
 
 def _part(block: Block, text: str) -> dict[str, Any]:
