@@ -155,3 +155,44 @@ def test_responses_item_cut_by_max_output_tokens_is_incomplete_when_streamed(
     assert [(i.type, i.status) for i in final.response.output] == done
     plain = openai_client.responses.create(**request)
     assert plain.status == "incomplete" and [(i.type, i.status) for i in plain.output] == done
+
+
+TWO_CALLS = (
+    f'{T.TOOL_CALLS_BEGIN}{T.TOOL_CALL_BEGIN}get_weather{T.TOOL_SEP}{{"city": "Paris"}}{T.TOOL_CALL_END}'
+    f'{T.TOOL_CALL_BEGIN}get_weather{T.TOOL_SEP}{{"city": "Lyon"}}{T.TOOL_CALL_END}{T.TOOL_CALLS_END}'
+)
+
+
+def test_parallel_tool_calls_off_stops_generation_after_one_call(
+    server: ServerHandle, openai_client: openai.OpenAI, anthropic_client: anthropic.Anthropic
+) -> None:
+    """A model that would call two tools: with parallel calls off, generation ends on the first
+    call's closing token (so the usage counts only those tokens); with them on, both calls come."""
+    ids = server.runner.script("[shape-two]", TWO_CALLS)
+    one_call = ids.index(server.engine.tokenizer.token_to_id(T.TOOL_CALL_END)) + 1
+    messages = [{"role": "user", "content": "[shape-two] weather?"}]
+    chat = dict(model=MODEL_NAME, messages=messages, tools=[TOOL], max_tokens=80)
+    both = openai_client.chat.completions.create(**chat)
+    assert len(both.choices[0].message.tool_calls) == 2
+    single = openai_client.chat.completions.create(**chat, parallel_tool_calls=False)
+    (call,) = single.choices[0].message.tool_calls
+    assert json.loads(call.function.arguments) == {"city": "Paris"}
+    assert single.choices[0].finish_reason == "tool_calls" and single.usage.completion_tokens == one_call
+
+    tool = {"type": "function", **TOOL["function"]}
+    response = openai_client.responses.create(
+        model=MODEL_NAME, input=messages, tools=[tool], parallel_tool_calls=False, max_output_tokens=80
+    )
+    assert [i.type for i in response.output] == ["function_call"]
+    assert response.usage.output_tokens == one_call
+
+    anthropic_tool = {"name": "get_weather", "input_schema": TOOL["function"]["parameters"]}
+    reply = anthropic_client.messages.create(
+        model=MODEL_NAME,
+        messages=messages,
+        tools=[anthropic_tool],
+        tool_choice={"type": "auto", "disable_parallel_tool_use": True},
+        max_tokens=80,
+    )
+    assert [b.type for b in reply.content] == ["tool_use"] and reply.stop_reason == "tool_use"
+    assert reply.usage.output_tokens == one_call

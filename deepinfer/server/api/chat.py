@@ -29,6 +29,7 @@ from deepinfer.server.api.common import (
     openai_usage,
     output_schema,
     respond,
+    single_call_stop,
 )
 from deepinfer.server.api.logprobs import chat_logprobs
 from deepinfer.server.context import ApiFields, traffic_class
@@ -138,6 +139,7 @@ async def create_chat_completion(body: p.ChatCompletionRequest, request: Request
             "logprobs": top_logprobs if body.logprobs else None,
             "json_schema": _output_schema(body, thinking, tools),
             "grammar": forced_tool_grammar(ctx, tools, choice, thinking, CHAT_FIELDS),
+            "stop_token_ids": single_call_stop(ctx, tools, body.parallel_tool_calls),
             "traffic_class": traffic_class(body, request),
         },
         fields,

@@ -132,6 +132,18 @@ def forced_tool_grammar(
         raise ApiError(400, f"{fields.tool_choice}: {exc}", param=fields.tool_choice) from None
 
 
+def single_call_stop(ctx: ServingContext, tools: list[ToolSpec], parallel: bool | None) -> list[int] | None:
+    """Stop tokens that limit an answer to one tool call when the request turns parallel calls off
+    (``parallel_tool_calls: false``, Anthropic's ``disable_parallel_tool_use``): generation ends on
+    the first call's closing token, so the answer has at most one call (finish reason
+    ``tool_calls``) and no tokens are spent on the calls it would have added. ``None`` otherwise.
+    (A forced call, ``tool_choice`` required or named, is one call by its grammar either way.)"""
+    if parallel is not False or not tools:
+        return None
+    end = ctx.chat_recipe().tokenizer.token_to_id(T.TOOL_CALL_END)
+    return [end] if end is not None else None
+
+
 def output_schema(
     kind: str,
     schema: dict[str, Any] | None,

@@ -35,6 +35,7 @@ from deepinfer.server.api.common import (
     new_id,
     offered_tools,
     respond,
+    single_call_stop,
 )
 from deepinfer.server.context import ApiFields, traffic_class
 from deepinfer.server.generation import ChatRun, ChoiceUpdate, Finish, FinishReason, Usage
@@ -120,6 +121,11 @@ def tool_input(block: Block) -> dict[str, Any]:
     return value
 
 
+def _parallel(choice: p.ToolChoice | None) -> bool | None:
+    """Whether parallel tool calls are allowed: False with ``disable_parallel_tool_use``."""
+    return False if choice is not None and choice.disable_parallel_tool_use else None
+
+
 def _tool_choice(choice: p.ToolChoice | None) -> str | None:
     """Anthropic's tool_choice in the shared vocabulary: auto, none, required, function:NAME."""
     if choice is None:
@@ -170,6 +176,7 @@ async def create_message(body: p.MessagesRequest, request: Request, ctx: Serving
             "stop": body.stop_sequences,
             "max_tokens": body.max_tokens,
             "grammar": forced_tool_grammar(ctx, tools, choice, thinking, CHAT_FIELDS),
+            "stop_token_ids": single_call_stop(ctx, tools, _parallel(body.tool_choice)),
             "traffic_class": traffic_class(body, request),
         },
         FIELDS,

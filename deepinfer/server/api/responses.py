@@ -36,6 +36,7 @@ from deepinfer.server.api.common import (
     offered_tools,
     output_schema,
     respond,
+    single_call_stop,
 )
 from deepinfer.server.context import ApiFields, traffic_class
 from deepinfer.server.generation import ChatRun, ChoiceUpdate, Finish, FinishReason, Usage
@@ -126,6 +127,7 @@ async def create_response(body: p.ResponsesRequest, request: Request, ctx: Servi
             "max_tokens": body.max_output_tokens,
             "json_schema": schema,
             "grammar": forced_tool_grammar(ctx, tools, choice, thinking, CHAT_FIELDS),
+            "stop_token_ids": single_call_stop(ctx, tools, body.parallel_tool_calls),
             "traffic_class": traffic_class(body, request),
         },
         FIELDS,
