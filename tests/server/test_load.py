@@ -52,7 +52,10 @@ def test_api_key_is_required_when_set(guarded: ServerHandle) -> None:
 
 def test_a_full_queue_answers_429_and_health_stays_fast(guarded: ServerHandle) -> None:
     headers = {"Authorization": f"Bearer {KEY}"}
+    # As long as the context allows: every request must still be in flight when the gauge is read,
+    # also on a loaded host (400 tokens could finish first: a queued request then took the slot).
     body = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "count"}], "stream": True, **LONG}
+    body["max_tokens"] = 1000
     with httpx.Client(base_url=guarded.url, headers=headers, timeout=30) as client, ExitStack() as streams:
         readers = []  # kept alive: a dropped line iterator closes its response
         for _ in range(guarded.client.capacity):
